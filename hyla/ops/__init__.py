@@ -1,0 +1,1 @@
+"""Pure tensor functions: GLA (naive, chunked, recurrent), softmax attention, Newton-Schulz."""

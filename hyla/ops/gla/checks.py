@@ -1,0 +1,62 @@
+"""Argument checks shared by every GLA variant, so all of them reject bad input the same way."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_gla_inputs(q, k, v, g, scale, initial_state, cu_seqlens) -> tuple[int, float]:
+    """Validate the GLA op contract; return (number of sequences N, scale).
+
+    q, k, g: [B, T, H, K]; v: [B, T, H, V]; g <= 0; initial_state: [N, H, K, V];
+    cu_seqlens: int tensor [N + 1], 0 ... T, non-decreasing, only with B == 1.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be a 4-D tensor [B, T, H, D], got {shape}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q {tuple(q.shape)} [B, T, H, K], "
+                         f"got {tuple(k.shape)}")
+    if g.shape != q.shape:
+        raise ValueError(f"g must have the shape of q {tuple(q.shape)} [B, T, H, K], "
+                         f"got {tuple(g.shape)}")
+    if v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V] to match q, "
+                         f"got {tuple(v.shape)}")
+    if not g.is_floating_point():
+        raise ValueError(f"g must be a floating-point log forget gate, got dtype {g.dtype}")
+    if g.numel() and bool((g > 0).any()):
+        raise ValueError(f"g is a log forget gate and must be <= 0, got max {g.max().item():.4g}")
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens requires batch size B == 1 (packed sequences), got B={B}")
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 \
+                or cu_seqlens.is_floating_point() or cu_seqlens.numel() < 2:
+            raise ValueError("cu_seqlens must be a 1-D integer tensor [N + 1] of offsets, got "
+                             f"{cu_seqlens!r}")
+        offsets = cu_seqlens.tolist()
+        if offsets[0] != 0 or offsets[-1] != T:
+            raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {offsets}")
+        if any(b < a for a, b in zip(offsets, offsets[1:], strict=False)):
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
+        N = len(offsets) - 1
+    else:
+        N = B
+    if initial_state is not None:
+        expected = (N, H, K, v.shape[-1])
+        if tuple(initial_state.shape) != expected:
+            raise ValueError(f"initial_state must be [N, H, K, V] = {list(expected)}, "
+                             f"got {tuple(initial_state.shape)}")
+    if scale is None:
+        scale = K ** -0.5
+    return N, float(scale)
+
+
+def seq_offsets(B: int, T: int, cu_seqlens) -> list[tuple[int, int, int]]:
+    """(batch row, start, end) of every sequence, in state order."""
+    if cu_seqlens is None:
+        return [(b, 0, T) for b in range(B)]
+    offsets = cu_seqlens.tolist()
+    return [(0, s, e) for s, e in zip(offsets[:-1], offsets[1:], strict=True)]

@@ -1,0 +1,82 @@
+"""GLA decode path: a few tokens at a time against a batch of states, updated in place."""
+
+from __future__ import annotations
+
+import torch
+
+from hyla.ops.gla.checks import check_gla_inputs, seq_offsets
+
+
+def recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False,
+                  cu_seqlens=None):
+    """Step GLA token by token: the decode form (T = 1, or a short T such as draft tokens).
+
+    With no gradient needed and an fp32 ``initial_state``, the state batch is advanced *in
+    place*: ``initial_state`` holds the final state afterwards (and is returned as it), so a
+    decoder keeps one preallocated buffer and allocates nothing per step. When any input
+    requires grad, nothing is modified in place.
+
+    Args/returns: as :func:`hyla.ops.gla.naive_recurrent_gla`.
+
+    Example:
+        >>> state = torch.zeros(2, 4, 8, 8)                   # [N, H, K, V]
+        >>> q = k = v = torch.randn(2, 1, 4, 8)
+        >>> g = torch.full((2, 1, 4, 8), -0.1)
+        >>> o, s = recurrent_gla(q, k, v, g, initial_state=state, output_final_state=True)
+        >>> s.data_ptr() == state.data_ptr()
+        True
+    """
+    N, scale = check_gla_inputs(q, k, v, g, scale, initial_state, cu_seqlens)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, initial_state))
+    in_place = (not needs_grad and initial_state is not None
+                and initial_state.dtype == torch.float32)
+    if in_place:
+        state = initial_state
+    elif initial_state is not None:
+        state = initial_state.float().clone() if not needs_grad else initial_state.float()
+    else:
+        state = q.new_zeros(N, H, K, V, dtype=torch.float32)
+
+    if cu_seqlens is None:
+        o, state = _step_batch(q, k, v, g, scale, state, in_place)
+    else:
+        # Packed sequences: batch them by position within their sequence, so a decode batch
+        # of N one-token sequences is still one batched step.
+        spans = seq_offsets(B, T, cu_seqlens)
+        o = q.new_zeros(1, T, H, V, dtype=torch.float32)
+        longest = max((e - s for _, s, e in spans), default=0)
+        states = list(state.unbind(0)) if not in_place else None
+        for i in range(longest):
+            live = [n for n, (_, s, e) in enumerate(spans) if s + i < e]
+            pos = torch.tensor([spans[n][1] + i for n in live], device=q.device)
+            idx = torch.tensor(live, device=q.device)
+            cur = state[idx] if in_place else torch.stack([states[n] for n in live])
+            o_i, new = _step_batch(q[0, pos, None], k[0, pos, None], v[0, pos, None],
+                                   g[0, pos, None], scale, cur, False)
+            o = o.index_put((torch.zeros_like(pos), pos), o_i[:, 0].float())
+            if in_place:
+                state[idx] = new
+            else:
+                for j, n in enumerate(live):
+                    states[n] = new[j]
+        if not in_place:
+            state = torch.stack(states) if states else state
+    return o.to(q.dtype), (state if output_final_state else None)
+
+
+def _step_batch(q, k, v, g, scale, state, in_place):
+    """Advance state [N, H, K, V] over q/k/v/g [N, T, H, *]; returns (o [N, T, H, V], state)."""
+    outs = []
+    for t in range(q.shape[1]):
+        decay = g[:, t].float().exp().unsqueeze(-1)
+        update = k[:, t].float().unsqueeze(-1) * v[:, t].float().unsqueeze(-2)
+        if in_place:
+            state.mul_(decay).add_(update)
+        else:
+            state = state * decay + update
+        outs.append(torch.einsum("nhk,nhkv->nhv", q[:, t].float() * scale, state))
+    o = torch.stack(outs, dim=1) if outs else state.new_zeros(*q.shape[:3], state.shape[-1])
+    return o, state
