@@ -5,7 +5,8 @@
 - :func:`recurrent_gla`: the decode form, in place on a state batch.
 """
 
+from hyla.ops.gla.chunk import chunk_gla
 from hyla.ops.gla.naive import naive_recurrent_gla
 from hyla.ops.gla.recurrent import recurrent_gla
 
-__all__ = ["naive_recurrent_gla", "recurrent_gla"]
+__all__ = ["chunk_gla", "naive_recurrent_gla", "recurrent_gla"]

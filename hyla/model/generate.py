@@ -1,0 +1,66 @@
+"""Autoregressive sampling for one prompt: prefill once, then decode token by token."""
+
+from __future__ import annotations
+
+import torch
+
+from hyla.model.model import HylaLM
+
+
+def generate(model: HylaLM, prompt_ids: list[int], max_new_tokens: int, *,
+             temperature: float = 1.0, top_k: int | None = None, seed: int | None = None,
+             stop_ids: tuple[int, ...] | list[int] = ()) -> list[int]:
+    """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens.
+
+    ``temperature == 0`` is greedy; otherwise tokens are sampled from softmax(logits /
+    temperature), restricted to the ``top_k`` most likely when given. ``seed`` makes sampling
+    reproducible. Generation stops early at the first token in ``stop_ids``.
+
+    Returns:
+        the new tokens only (not the prompt), without the stop token.
+
+    Example:
+        >>> from hyla.model import HylaLM, preset
+        >>> model = HylaLM(preset("debug")).eval()
+        >>> len(generate(model, [1, 2, 3], 4, temperature=0))
+        4
+    """
+    if not prompt_ids:
+        raise ValueError("prompt_ids must hold at least one token, got []")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k <= 0:
+        raise ValueError(f"top_k must be a positive int or None, got {top_k}")
+    device = model.embed.weight.device
+    gen = None
+    if seed is not None:
+        gen = torch.Generator(device=device).manual_seed(seed)
+    stop = set(stop_ids)
+    state = model.new_state()
+    out: list[int] = []
+    if max_new_tokens == 0:
+        return out
+    logits = model.prefill(torch.tensor(prompt_ids, device=device), state)[-1]
+    while True:
+        token = _pick(logits, temperature, top_k, gen)
+        if token in stop:
+            break
+        out.append(token)
+        if len(out) == max_new_tokens:
+            break
+        logits = model.decode(torch.tensor([token], device=device), [state])[0]
+    return out
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,
+          gen: torch.Generator | None) -> int:
+    logits = logits.float()
+    if temperature == 0:
+        return int(logits.argmax())
+    if top_k is not None and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen))

@@ -1,0 +1,127 @@
+"""Softmax attention in the [B, T, H, D] layout, on top of ``F.scaled_dot_product_attention``.
+
+- :func:`attention`: training / fresh prefill; causal or not, grouped-query, packed documents;
+- :func:`attention_with_cache`: decode and chunked prefill, queries placed after a key cache of
+  per-sequence length (right-padded batch).
+
+Keys and values may have fewer heads than queries (grouped-query attention, ``H % H_kv == 0``):
+query head ``h`` reads key/value head ``h // (H // H_kv)``, as in Llama.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _check_qkv(q, k, v) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be a 4-D tensor [B, T, H, D], got {shape}")
+    B, _, H, D = q.shape
+    if k.shape[0] != B or k.shape[-1] != D:
+        raise ValueError(f"k must be [B, S, H_kv, D] = [{B}, S, H_kv, {D}] to match q, "
+                         f"got {tuple(k.shape)}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v must be [B, S, H_kv, D_v] with [B, S, H_kv] = {list(k.shape[:3])} "
+                         f"of k, got {tuple(v.shape)}")
+    if k.shape[2] == 0 or H % k.shape[2]:
+        raise ValueError(f"k/v heads must divide the query heads H={H} (grouped-query "
+                         f"attention), got H_kv={k.shape[2]}")
+
+
+def _sdpa(q, k, v, *, scale, causal=False, mask=None):
+    """SDPA on [B, T, H, D] tensors (it wants [B, H, T, D]); GQA without repeating k/v."""
+    gqa = q.shape[2] != k.shape[2]
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask, is_causal=causal, scale=scale,
+                                       enable_gqa=gqa)
+    return o.transpose(1, 2)
+
+
+def attention(q, k, v, *, scale=None, causal=True, cu_seqlens=None):
+    """Softmax attention, optionally causal, optionally over packed documents.
+
+    Args:
+        q: [B, T, H, D]; k: [B, S, H_kv, D]; v: [B, S, H_kv, D_v], with H % H_kv == 0.
+        scale: softmax scale, default D ** -0.5.
+        causal: query t sees keys 0..t (requires S == T).
+        cu_seqlens: optional int tensor [N + 1] of document offsets (0 ... T) for packed
+            sequences; needs B == 1 and S == T. No token attends across a boundary.
+    Returns:
+        o: [B, T, H, D_v] in q's dtype.
+
+    Example:
+        >>> q = torch.randn(1, 7, 4, 8); kv = torch.randn(1, 7, 2, 8)
+        >>> attention(q, kv, kv, cu_seqlens=torch.tensor([0, 3, 7])).shape
+        torch.Size([1, 7, 4, 8])
+    """
+    _check_qkv(q, k, v)
+    B, T = q.shape[:2]
+    if (causal or cu_seqlens is not None) and k.shape[1] != T:
+        raise ValueError(f"k/v must have S == T={T} keys for causal or packed attention, "
+                         f"got S={k.shape[1]}")
+    if cu_seqlens is None:
+        return _sdpa(q, k, v, scale=scale, causal=causal and T > 1)
+    offsets = check_cu_seqlens(cu_seqlens, B, T)
+    # One SDPA call per document keeps memory at sum(L_i^2) and lets fused kernels use
+    # is_causal, instead of a dense [T, T] block-diagonal mask.
+    outs = [_sdpa(q[:, s:e], k[:, s:e], v[:, s:e], scale=scale, causal=causal and e - s > 1)
+            for s, e in zip(offsets[:-1], offsets[1:], strict=True) if e > s]
+    if not outs:
+        return q.new_zeros(*q.shape[:3], v.shape[-1])
+    return torch.cat(outs, dim=1)
+
+
+def attention_with_cache(q, k, v, kv_lens, *, scale=None):
+    """Attention of new queries against a right-padded key/value cache, causally.
+
+    The cache already holds the new tokens' keys: sequence ``b`` has ``kv_lens[b]`` valid keys
+    (slots ``kv_lens[b]:`` are padding and ignored), and its ``T`` queries are the last ``T``
+    of them, at absolute positions ``kv_lens[b] - T + t``; query ``t`` sees keys ``0 ...
+    kv_lens[b] - T + t``. ``T == 1`` is batched decode; ``B == 1`` is chunked prefill.
+
+    Args:
+        q: [B, T, H, D]; k: [B, S, H_kv, D]; v: [B, S, H_kv, D_v] (right-padded caches).
+        kv_lens: int tensor [B] (or list), each in [T, S].
+        scale: softmax scale, default D ** -0.5.
+    Returns:
+        o: [B, T, H, D_v] in q's dtype.
+
+    Example:
+        >>> q = torch.randn(2, 1, 4, 8); kv = torch.randn(2, 6, 2, 8)
+        >>> attention_with_cache(q, kv, kv, torch.tensor([3, 6])).shape    # 2 and 5 cached
+        torch.Size([2, 1, 4, 8])
+    """
+    _check_qkv(q, k, v)
+    B, T = q.shape[:2]
+    S = k.shape[1]
+    if not isinstance(kv_lens, torch.Tensor):
+        kv_lens = torch.tensor(kv_lens, dtype=torch.long)
+    if kv_lens.shape != (B,) or kv_lens.is_floating_point():
+        raise ValueError(f"kv_lens must be an integer tensor [B] = [{B}], got "
+                         f"{tuple(kv_lens.shape)} {kv_lens.dtype}")
+    lens = kv_lens.to(device=q.device, dtype=torch.long)
+    if B and (int(lens.min()) < T or int(lens.max()) > S):
+        raise ValueError(f"kv_lens must be in [T, S] = [{T}, {S}] (the cache includes the "
+                         f"new tokens), got {lens.tolist()}")
+    pos = lens[:, None] - T + torch.arange(T, device=q.device)            # [B, T]
+    mask = torch.arange(S, device=q.device)[None, None, :] <= pos[:, :, None]  # [B, T, S]
+    return _sdpa(q, k, v, scale=scale, mask=mask[:, None])
+
+
+def check_cu_seqlens(cu_seqlens, B: int, T: int) -> list[int]:
+    """Validate packed-document offsets (B == 1, int [N + 1], 0 ... T); return them as a list."""
+    if B != 1:
+        raise ValueError(f"cu_seqlens requires batch size B == 1 (packed sequences), got B={B}")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 \
+            or cu_seqlens.is_floating_point() or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1] of offsets, "
+                         f"got {cu_seqlens!r}")
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0 or offsets[-1] != T:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {offsets}")
+    if any(b < a for a, b in zip(offsets, offsets[1:], strict=False)):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
+    return offsets

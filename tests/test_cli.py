@@ -1,0 +1,96 @@
+"""The `hyla` command, in-process (and once as a real subprocess)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hyla.cli import format_bytes, main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_memory_json_laplace(capsys):
+    code, out, _ = run(capsys, "memory", "--preset", "laplace-3b", "--context", "8K", "--json")
+    assert code == 0
+    report = json.loads(out)  # exactly one JSON object on stdout
+    for key in ("state_bytes", "kv_bytes", "ratio", "sequences_fit"):
+        assert key in report
+    assert 75 < report["ratio"] < 95
+    assert abs(report["state_bytes"] - 29.5e6) / 29.5e6 < 0.10
+    assert report["context"] == 8192
+    assert report["sequences_fit"]["hybrid"] > 50 * report["sequences_fit"]["attention"]
+
+
+def test_memory_table(capsys):
+    code, out, _ = run(capsys, "memory", "--preset", "small", "--context", "4096",
+                       "--budget-gib", "16")
+    assert code == 0
+    assert "GLA state" in out and "ratio" in out and "16 GiB" in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["memory", "--preset", "nope", "--context", "8K"], "unknown preset"),
+    (["memory", "--preset", "debug", "--context", "8Q"], "context"),
+    (["memory", "--preset", "debug", "--context", "0"], "context"),
+    (["memory", "--preset", "debug", "--context", "8K", "--budget-gib", "-1"], "budget"),
+    (["memory", "--preset", "debug"], "--context"),
+    (["generate", "--preset", "debug", "--prompt", ""], "prompt"),
+    (["generate", "--preset", "bogus", "--prompt", "hi"], "unknown preset"),
+    (["frobnicate"], "invalid choice"),
+    ([], "command"),
+], ids=["preset", "context-junk", "context-zero", "budget", "missing", "empty-prompt",
+        "gen-preset", "command", "none"])
+def test_bad_input_is_a_clean_error(capsys, argv, needle):
+    code, out, err = run(capsys, *argv)
+    assert code != 0
+    assert needle in err and "error" in err
+    assert "Traceback" not in err + out
+
+
+def test_generate_is_seeded(capsys):
+    argv = ["generate", "--preset", "debug", "--prompt", "Hi", "--max-tokens", "8", "--seed", "3"]
+    code, first, _ = run(capsys, *argv)
+    assert code == 0 and first.splitlines()[-1].startswith("Hi")
+    assert run(capsys, *argv)[1] == first
+
+
+def test_quickstart(capsys):
+    import torch
+
+    threads = torch.get_num_threads()
+    code, out, _ = run(capsys, "quickstart", "--max-tokens", "4")
+    assert code == 0
+    assert "random weights" in out and "parameters" in out and "29.5 MB" in out
+    assert torch.get_num_threads() == threads  # restored
+
+
+def test_info(capsys):
+    code, out, _ = run(capsys, "info")
+    assert code == 0 and "GFLOP/s" in out and "torch" in out
+
+
+def test_help_exits_zero(capsys):
+    assert main(["--help"]) == 0
+
+
+def test_format_bytes():
+    assert format_bytes(28_311_552) == "28.3 MB"
+    assert format_bytes(2_415_919_104) == "2.42 GB"
+    assert format_bytes(12) == "12 B"
+
+
+def test_subprocess_smoke():
+    proc = subprocess.run([sys.executable, "-m", "hyla.cli", "memory", "--preset", "debug",
+                           "--context", "1K", "--json"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["context"] == 1024
+    bad = subprocess.run([sys.executable, "-m", "hyla.cli", "memory", "--preset", "nope",
+                          "--context", "1K"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
