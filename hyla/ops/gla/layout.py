@@ -46,16 +46,16 @@ class ChunkLayout:
         self.inverse = inverse.to(device)
 
     def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, H, D] -> [M, H, C, D]."""
+        """[B, T, H, D] -> [M, H, C, D], contiguous (the chunk math reshapes it freely)."""
         B, T, H, D = x.shape
         C = self.C
         if not self.packed:
             pad = self.P * C - T
             if pad:
                 x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
-            return x.view(B * self.P, C, H, D).transpose(1, 2)
+            return x.view(B * self.P, C, H, D).transpose(1, 2).contiguous()
         flat = torch.cat([x[0], x.new_zeros(1, H, D)])[self.rows]
-        return flat.view(self.num_chunks, C, H, D).transpose(1, 2)
+        return flat.view(self.num_chunks, C, H, D).transpose(1, 2).contiguous()
 
     def from_chunks(self, o: torch.Tensor) -> torch.Tensor:
         """[M, H, C, V] -> [B, T, H, V]."""
