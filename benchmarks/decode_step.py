@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from hyla.ops.gla import recurrent_gla
-from hyla.perf import print_table, time_fn, write_results
+from hyla.perf import print_table, time_fn, tune_cpu_allocator, write_results
 
 CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
 QUICK_CONTEXTS = (1024, 4096)
@@ -111,6 +111,7 @@ def run(contexts, dtypes, *, B: int, H: int, D: int, repeats: int, inner: int) -
 
 
 def main(argv=None) -> None:
+    tune_cpu_allocator()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="two contexts, fewer repeats")
     parser.add_argument("--heads", type=int, default=8)

@@ -22,6 +22,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from hyla.perf import tune_cpu_allocator
+
 DEFAULT_BUDGET_GIB = 80.0  # one 80 GB accelerator: the usual unit of a serving replica
 
 
@@ -274,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     err = Console(stderr=True)
+    tune_cpu_allocator()  # a CLI run owns its process: keep freed memory for reuse
     try:
         args = build_parser().parse_args(argv)
         return args.func(args, Console())

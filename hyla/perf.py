@@ -52,7 +52,40 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "numpy": numpy.__version__,
         "torch_threads": torch.get_num_threads(),
+        "cpu_allocator": "glibc, tuned (hyla.perf.tune_cpu_allocator)" if _ALLOCATOR["tuned"]
+        else "default",
     }
+
+
+_ALLOCATOR = {"tuned": False}
+
+
+def tune_cpu_allocator() -> bool:
+    """Make glibc keep freed memory for reuse instead of returning it to the OS at once.
+
+    PyTorch's CPU allocator is plain malloc: every large temporary is a fresh mmap, and on
+    virtual machines the page faults of touching it again cost more than the arithmetic
+    (measured here: chunk_gla at T = 4096 ran in 224 ms with the default, 96 ms tuned). The
+    usual fixes are jemalloc/tcmalloc via LD_PRELOAD; this does the same job in-process with
+    two mallopt calls (no mmap for big blocks, no trimming), at the price of the process
+    holding on to its peak memory. Returns True if it applied (Linux with glibc).
+
+    Example:
+        >>> tune_cpu_allocator() in (True, False)
+        True
+    """
+    if _ALLOCATOR["tuned"]:
+        return True
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_max = -1, -4  # from glibc's malloc.h
+        ok = bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+    except (OSError, AttributeError):
+        return False
+    _ALLOCATOR["tuned"] = ok
+    return ok
 
 
 def _sync(device: str | torch.device | None = None) -> None:
