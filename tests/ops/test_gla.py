@@ -158,3 +158,19 @@ def test_bad_chunk_size():
     q = torch.randn(1, 8, 1, 4)
     with pytest.raises(ValueError, match="chunk_size"):
         chunk_gla(q, q, q, -q.abs(), chunk_size=48)
+
+
+@pytest.mark.parametrize("gate", ["mild", "harsh"])
+@pytest.mark.parametrize("chunk_size", [64, 128])
+def test_chunk_bf16_matmuls_match_naive(monkeypatch, gate, chunk_size):
+    """Where the hardware has bf16 GEMMs (GPU, AMX), chunk_gla multiplies in bf16: check that
+    path here too, whatever this machine would choose."""
+    from hyla.ops.gla import chunk as chunk_module
+
+    monkeypatch.setattr(chunk_module, "matmul_dtype", lambda x: x.dtype)
+    B, T, H, K, V = 2, 130, 2, 32, 32
+    inputs = make_inputs(B, T, H, K, V, torch.bfloat16, gate)
+    do, dht = torch.randn(B, T, H, V), torch.randn(B, H, K, V)
+    ref = reference(inputs, do, dht)
+    got = run(chunk_gla, inputs, do, dht, chunk_size=chunk_size)
+    compare("chunk-bf16-matmuls", got, ref, torch.bfloat16)
