@@ -65,6 +65,52 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
         s0 = initial_state.float() if initial_state is not None else q.new_zeros(
             N, H, K, V, dtype=torch.float32)
         return o, (s0 if output_final_state else None)
+    o, final = _ChunkGLA.apply(q, k, v, g, initial_state, scale, layout)
+    return o, (final if output_final_state else None)
+
+
+class _ChunkGLA(torch.autograd.Function):
+    """Autograd through the chunk math for q, k, v and the initial state; the gate gradient
+    in closed form.
+
+    Every appearance of the cumulative gate G_t is exp(G_t) on q_t or exp(-G_t) on k_t (plus
+    exp(G_T) on the final state), so dL/dG_t = q_t dq_t - k_t dk_t (+ the final state's term)
+    and dg is its reverse cumulative sum. Differentiating through the exponentials instead
+    subtracts two large, nearly equal terms per gate, which loses the gradient's last
+    digits when the matmuls run in bf16 (measured: 6e-3 relative error against 5e-3 allowed).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, initial_state, scale, layout):
+        o, final = _chunk_forward(q, k, v, g, initial_state, scale, layout)
+        ctx.save_for_backward(q, k, v, g, initial_state)
+        ctx.scale, ctx.layout = scale, layout
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, h0 = ctx.saved_tensors
+        layout = ctx.layout
+        # Recompute in fp32: dq and dk feed a difference of near-equal terms below, so they
+        # must carry fp32 precision (bf16-rounded ones gave 1e-2 relative error in dg).
+        with torch.enable_grad():
+            leaves = [x.detach().float().requires_grad_() for x in (q, k, v)]
+            if h0 is not None:
+                leaves.append(h0.detach().float().requires_grad_())
+            o, final = _chunk_forward(*leaves[:3], g.detach(),
+                                      leaves[3] if h0 is not None else None, ctx.scale, layout)
+            grads = torch.autograd.grad([o, final], leaves, [do.float(), dht])
+        dq, dk, dv = grads[:3]
+        dG = leaves[0].detach() * dq - leaves[1].detach() * dk
+        dG = layout.add_at_last_tokens(dG, (dht * final.detach()).sum(-1))
+        dg = layout.reverse_cumsum(dG).to(g.dtype)
+        dh0 = grads[3].to(h0.dtype) if h0 is not None else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, dh0, None, None
+
+
+def _chunk_forward(q, k, v, g, initial_state, scale, layout):
+    """o [B, T, H, V] and the final states [N, H, K, V] of every sequence in ``layout``."""
+    N, H, K, V = layout.N, q.shape[2], q.shape[3], v.shape[3]
     dtype = matmul_dtype(q)
     qc, kc, vc = (layout.to_chunks(x).to(dtype) for x in (q, k, v))  # [M, H, C, D]
     qc = qc * scale
@@ -74,7 +120,7 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
     starts, final = _scan(layout, decay, update, initial_state, N, H, K, V)
     o_inter = torch.matmul(qc * G.exp().to(dtype), starts.to(dtype))
     o = layout.from_chunks((o_intra.float() + o_inter.float()).to(q.dtype))
-    return o, (final if output_final_state else None)
+    return o, final
 
 
 def intra_chunk(q, k, v, g):

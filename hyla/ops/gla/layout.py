@@ -44,6 +44,10 @@ class ChunkLayout:
             inverse[s:e] = torch.arange(start, start + e - s)
             start += c * C
         self.inverse = inverse.to(device)
+        # Per token, the offset just past its sequence: reverse cumsums stop there.
+        self.seq_end = torch.tensor(sum(([e] * (e - s) for s, e in spans), []), dtype=torch.long,
+                                    device=device)
+        self.last_tokens = [(n, e - 1) for n, (s, e) in enumerate(spans) if e > s]
 
     def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, H, D] -> [M, H, C, D], contiguous (the chunk math reshapes it freely)."""
@@ -80,3 +84,22 @@ class ChunkLayout:
         if not self.packed:
             return grid.reshape(self.num_chunks, *grid.shape[2:])
         return grid[self.seq, self.pos]
+
+    def reverse_cumsum(self, x: torch.Tensor) -> torch.Tensor:
+        """sum_{t' >= t} x[:, t'] over each sequence: x [B, T, ...] -> [B, T, ...]."""
+        total = x.flip(1).cumsum(1).flip(1)
+        if not self.packed:
+            return total
+        after = torch.cat([total, torch.zeros_like(total[:, :1])], dim=1)[:, self.seq_end]
+        return total - after
+
+    def add_at_last_tokens(self, x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """x [B, T, ...] plus values [N, ...] at the last token of each (non-empty) sequence."""
+        if not self.packed:
+            if self.T == 0:
+                return x
+            return torch.cat([x[:, :-1], (x[:, -1] + values).unsqueeze(1)], dim=1)
+        x = x.clone()
+        for n, t in self.last_tokens:
+            x[0, t] += values[n]
+        return x
