@@ -22,8 +22,10 @@ def make_inputs(B, T, H, K, V, dtype, gate, *, states=None, seed=0):
     k = torch.randn(B, T, H, K, generator=gen)
     v = torch.randn(B, T, H, V, generator=gen)
     logits = torch.randn(B, T, H, K, generator=gen)
-    # mild: logsigmoid(x)/16 (slow forgetting); harsh: logsigmoid(5x) reaching ~ -20 per step
-    g = F.logsigmoid(logits) / 16 if gate == "mild" else F.logsigmoid(5 * logits)
+    # mild: logsigmoid(x)/16 (slow forgetting); medium: logsigmoid(x)/2, a chunk's gates
+    # spanning tens (overflows fp16 if factored naively); harsh: logsigmoid(5x), to ~-20 a step
+    g = F.logsigmoid(logits * {"mild": 1, "medium": 1, "harsh": 5}[gate])
+    g = g / {"mild": 16, "medium": 2, "harsh": 1}[gate]
     h0 = torch.randn(states if states is not None else B, H, K, V, generator=gen)
     tensors = [x.to(dtype) for x in (q, k, v, g)] + [h0]
     return [x.requires_grad_() for x in tensors]
@@ -160,17 +162,18 @@ def test_bad_chunk_size():
         chunk_gla(q, q, q, -q.abs(), chunk_size=48)
 
 
-@pytest.mark.parametrize("gate", ["mild", "harsh"])
+@pytest.mark.parametrize("gate", ["mild", "medium", "harsh"])
 @pytest.mark.parametrize("chunk_size", [64, 128])
-def test_chunk_bf16_matmuls_match_naive(monkeypatch, gate, chunk_size):
-    """Where the hardware has bf16 GEMMs (GPU, AMX), chunk_gla multiplies in bf16: check that
-    path here too, whatever this machine would choose."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_chunk_low_precision_matmuls_match_naive(monkeypatch, gate, chunk_size, dtype):
+    """Where the hardware has bf16/fp16 GEMMs (GPU, AMX), chunk_gla multiplies in that dtype:
+    check that path here too, whatever this machine would choose."""
     from hyla.ops.gla import chunk as chunk_module
 
     monkeypatch.setattr(chunk_module, "matmul_dtype", lambda x: x.dtype)
     B, T, H, K, V = 2, 130, 2, 32, 32
-    inputs = make_inputs(B, T, H, K, V, torch.bfloat16, gate)
+    inputs = make_inputs(B, T, H, K, V, dtype, gate)
     do, dht = torch.randn(B, T, H, V), torch.randn(B, H, K, V)
     ref = reference(inputs, do, dht)
     got = run(chunk_gla, inputs, do, dht, chunk_size=chunk_size)
-    compare("chunk-bf16-matmuls", got, ref, torch.bfloat16)
+    compare(f"chunk-{dtype}-matmuls", got, ref, dtype)

@@ -127,7 +127,7 @@ def intra_chunk(q, k, v, g):
     """Everything that is local to a chunk: one batched pass over all chunks.
 
     Args: q (pre-scaled), k: [M, H, C, K]; v: [M, H, C, V]; g float32 [M, H, C, K].
-    Returns: o_intra [M, H, C, V] float32 (the within-chunk part of the output), G the
+    Returns: o_intra [M, H, C, V] in q's dtype (the within-chunk part of the output), G the
     cumulative gate [M, H, C, K], decay = exp(G_C) [M, H, K] and the chunk's state update
     sum_j (k_j exp(G_C - G_j))^T v_j [M, H, K, V], both float32.
     """

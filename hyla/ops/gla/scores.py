@@ -19,10 +19,12 @@ import torch
 
 BRANCH = 4  # sub-blocks per block
 # A block whose gates fall by at most this much (per channel, first row to last) is done in one
-# matmul around its middle row: every factor stays within exp(+-SAFE_SPAN) ~ 1e26, far from
-# fp32/bf16 overflow, and the products are exact to rounding. Mild gates (the common case)
-# take this path for the whole chunk; harsh ones recurse.
-SAFE_SPAN = 60.0
+# matmul around its middle row: every factor stays within exp(+-span), far from overflow in the
+# matmul dtype (fp32/bf16: e^60 ~ 1e26; fp16 tops out at 65504 ~ e^11, so e^8 there), and the
+# products are exact to rounding. Mild gates (the common case) take this path for the whole
+# chunk; harsh ones recurse.
+SAFE_SPAN = {torch.float16: 8.0}
+DEFAULT_SAFE_SPAN = 60.0
 
 
 def intra_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
@@ -43,7 +45,8 @@ def intra_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> torch.Ten
     P, K = q.shape[-2:]
     if P == 1:
         return (q.float() * k.float()).sum(-1, keepdim=True)
-    if float((G[..., 0, :] - G[..., -1, :]).detach().max()) <= SAFE_SPAN:
+    span = float((G[..., 0, :] - G[..., -1, :]).detach().max())
+    if span <= SAFE_SPAN.get(q.dtype, DEFAULT_SAFE_SPAN):
         return _direct_scores(q, k, G)
     n = min(BRANCH, P)
     s = P // n

@@ -1,0 +1,85 @@
+"""``attention_kl``: the public StreamKL op, dispatching to a backend; ``AttentionKLLoss``.
+
+Backends: ``"chunk"`` (streaming PyTorch, any device: the default), ``"naive"`` (materialised
+reference, O(T S) memory). There is no fused GPU kernel yet (see the package docstring).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyla.ops.streamkl.chunk import chunk_attention_kl
+from hyla.ops.streamkl.naive import naive_attention_kl
+
+BACKENDS = {"chunk": chunk_attention_kl, "naive": naive_attention_kl}
+
+
+def attention_kl(q_t, k_t, q_s, k_s, *, scale_t=None, scale_s=None, causal=True,
+                 reduction="mean", cu_seqlens=None, backend=None, block_q=256, block_k=512):
+    """KL(P_teacher || P_student) between two attention distributions, per query row.
+
+    ``P = softmax(scale_t q_t k_t^T)`` and ``Q = softmax(scale_s q_s k_s^T)`` per (batch,
+    query head, row); ``KL_i = sum_j P_ij log(P_ij / Q_ij)``. Teacher and student have the
+    same query heads ``H``; each side's keys may have fewer heads dividing ``H`` (GQA: query
+    head ``h`` reads key head ``h // (H // H_kv)``), and the two sides may differ in head dim
+    and scale. Causal masking is bottom-right aligned when ``S != T``; rows that see no key
+    have KL 0, gradient 0, and are left out of ``"mean"``.
+
+    Args:
+        q_t: [B, T, H, D_t], k_t: [B, S, H_kv_t, D_t]: the teacher's queries and keys.
+        q_s: [B, T, H, D_s], k_s: [B, S, H_kv_s, D_s]: the student's. All four share one
+            floating dtype (fp32, bf16, fp16, fp64) and one device.
+        scale_t, scale_s: softmax scales, default D_t ** -0.5 and D_s ** -0.5.
+        causal: query ``i`` sees keys ``0 ... S - T + i``.
+        reduction: "none" -> [B, H, T]; "sum"; "mean" over valid rows.
+        cu_seqlens: optional int [N + 1] offsets of packed documents (B == 1, S == T); no row
+            sees a key of another document.
+        backend: "chunk" or "naive"; None picks "chunk".
+        block_q, block_k: tile sizes of the chunk backend.
+    Returns:
+        The KL in float32 (float64 for float64 inputs). Gradients reach q_s, k_s and, when
+        they require grad, q_t and k_t.
+
+    Example:
+        >>> q_t, k_t = torch.randn(2, 64, 4, 32), torch.randn(2, 64, 2, 32)
+        >>> q_s = torch.randn(2, 64, 4, 16, requires_grad=True)
+        >>> k_s = torch.randn(2, 64, 1, 16, requires_grad=True)
+        >>> attention_kl(q_t, k_t, q_s, k_s).backward()
+        >>> q_s.grad.shape
+        torch.Size([2, 64, 4, 16])
+    """
+    name = "chunk" if backend is None else backend
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)} or None, got {backend!r}")
+    kw = {"scale_t": scale_t, "scale_s": scale_s, "causal": causal, "reduction": reduction,
+          "cu_seqlens": cu_seqlens}
+    if name == "chunk":
+        kw |= {"block_q": block_q, "block_k": block_k}
+    return BACKENDS[name](q_t, k_t, q_s, k_s, **kw)
+
+
+class AttentionKLLoss(torch.nn.Module):
+    """Attention-distillation loss: ``attention_kl`` with its options fixed at construction.
+
+    Example:
+        >>> loss_fn = AttentionKLLoss(causal=True, reduction="mean")
+        >>> q, k = torch.randn(1, 32, 2, 8), torch.randn(1, 32, 2, 8)
+        >>> float(loss_fn(q, k, q, k))
+        0.0
+    """
+
+    def __init__(self, *, scale_t: float | None = None, scale_s: float | None = None,
+                 causal: bool = True, reduction: str = "mean", backend: str | None = None,
+                 block_q: int = 256, block_k: int = 512):
+        super().__init__()
+        self.kw = {"scale_t": scale_t, "scale_s": scale_s, "causal": causal,
+                   "reduction": reduction, "backend": backend, "block_q": block_q,
+                   "block_k": block_k}
+
+    def forward(self, q_t, k_t, q_s, k_s, cu_seqlens=None) -> torch.Tensor:
+        """q_t, k_t: the teacher's [B, T, H, D_t] / [B, S, H_kv_t, D_t]; q_s, k_s: the
+        student's; returns the reduced KL (see :func:`attention_kl`)."""
+        return attention_kl(q_t, k_t, q_s, k_s, cu_seqlens=cu_seqlens, **self.kw)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.kw.items())
