@@ -1,0 +1,96 @@
+"""A model checkpoint directory: ``config.json`` + ``model.safetensors`` (+ ``tokenizer.json``).
+
+This is the directory that ``hyla generate --checkpoint``, ``hyla eval`` and (later)
+``hyla serve`` load. Weights are safetensors only: loading never unpickles anything. Files are
+written to a temporary name and renamed, so a crash mid-save never leaves a half-written file
+under the real name, and an existing checkpoint is only replaced by a complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from hyla.data.tokenizer import ByteTokenizer
+from hyla.model.config import HylaConfig
+from hyla.model.model import HylaLM
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+TOKENIZER = "tokenizer.json"
+
+
+def save_checkpoint(model: HylaLM, out_dir: str | os.PathLike) -> pathlib.Path:
+    """Write ``model`` to ``out_dir`` (created if needed); returns the directory.
+
+    Example:
+        >>> import tempfile
+        >>> from hyla.model import preset
+        >>> d = save_checkpoint(HylaLM(preset("debug")), tempfile.mkdtemp())
+        >>> sorted(p.name for p in d.iterdir())
+        ['config.json', 'model.safetensors']
+    """
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # Tied weights share storage; safetensors refuses shared tensors, so store them once.
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+             if not (model.cfg.tie_embeddings and k == "lm_head.weight")}
+    _atomic(out / WEIGHTS, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+    config = json.dumps(model.cfg.to_dict(), indent=2) + "\n"
+    _atomic(out / CONFIG, lambda tmp: tmp.write_text(config, encoding="utf-8"))
+    return out
+
+
+def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cpu",
+                    dtype: torch.dtype | None = None) -> tuple[HylaLM, ByteTokenizer]:
+    """Load a checkpoint directory; returns (model in eval mode, tokenizer).
+
+    Raises ValueError naming the file when the directory, its config or its weights are
+    missing, corrupt or do not match each other.
+    """
+    root = pathlib.Path(path)
+    if not root.is_dir():
+        raise ValueError(f"checkpoint {str(root)!r} is not a directory: expected one holding "
+                         f"{CONFIG} and {WEIGHTS} (written by hyla train or save_checkpoint)")
+    for name in (CONFIG, WEIGHTS):
+        if not (root / name).is_file():
+            raise ValueError(f"checkpoint {str(root)!r} has no {name}: expected {CONFIG} and "
+                             f"{WEIGHTS}")
+    try:
+        cfg = HylaConfig(**json.loads((root / CONFIG).read_text(encoding="utf-8")))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise ValueError(f"{root / CONFIG} is not a valid hyla config: {e}") from e
+    try:
+        weights = load_file(str(root / WEIGHTS), device=str(device))
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise ValueError(f"{root / WEIGHTS} could not be read as safetensors: {e}") from e
+    with torch.device("meta"):
+        model = HylaLM(cfg)
+    model = model.to_empty(device=device)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"{root / WEIGHTS} does not match {root / CONFIG}: missing "
+                         f"{missing[:5]}, unexpected {unexpected[:5]}")
+    if dtype is not None:
+        model = model.to(dtype)
+    if (root / TOKENIZER).is_file():
+        # BPE tokenizers arrive with the training issue; until then only byte vocabularies.
+        raise ValueError(f"{root / TOKENIZER}: BPE tokenizers are not supported yet; this "
+                         "version reads byte-level checkpoints (no tokenizer.json)")
+    return model.eval(), ByteTokenizer()
+
+
+def _atomic(target: pathlib.Path, write) -> None:
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
