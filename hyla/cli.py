@@ -156,10 +156,19 @@ def _generate_text(model, tok, prompt: str, args: argparse.Namespace) -> str:
 
 
 def cmd_generate(args: argparse.Namespace, out: Console) -> int:
-    model, tok = _random_model(args.preset, args.seed)
+    if (args.preset is None) == (args.checkpoint is None):
+        raise ValueError("generate needs exactly one of --preset P (random weights) or "
+                         "--checkpoint DIR")
+    if args.checkpoint is not None:
+        from hyla.model.checkpoint import load_checkpoint
+
+        model, tok = load_checkpoint(args.checkpoint)
+    else:
+        model, tok = _random_model(args.preset, args.seed)
     with _threads(args.threads):
         text = _generate_text(model, tok, args.prompt, args)
-    out.print("[dim](random weights: the text is noise until a checkpoint is loaded)[/]")
+    if args.checkpoint is None:
+        out.print("[dim](random weights: the text is noise until a checkpoint is loaded)[/]")
     sys.stdout.write(args.prompt + text + "\n")
     return 0
 
@@ -253,8 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch CPU threads (default: "
                             f"{'torch' + chr(39) + 's choice' if threads is None else threads})")
 
-    p = sub.add_parser("generate", help="sample text (random weights for now)")
-    p.add_argument("--preset", required=True)
+    p = sub.add_parser("generate", help="sample text from a checkpoint or a random preset")
+    p.add_argument("--preset", default=None, help="random weights of this preset")
+    p.add_argument("--checkpoint", default=None, help="a checkpoint directory")
     p.add_argument("--prompt", required=True)
     add_sampling(p, 64, None)
     p.set_defaults(func=cmd_generate)

@@ -94,3 +94,14 @@ def test_subprocess_smoke():
     bad = subprocess.run([sys.executable, "-m", "hyla.cli", "memory", "--preset", "nope",
                           "--context", "1K"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_generate_from_a_checkpoint(tmp_path, capsys):
+    from hyla.model import HylaLM, preset
+    from hyla.model.checkpoint import save_checkpoint
+
+    save_checkpoint(HylaLM(preset("debug")), tmp_path)
+    assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "hi",
+                 "--max-tokens", "4", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("hi")
+    assert main(["generate", "--prompt", "hi"]) == 2
