@@ -1,5 +1,5 @@
-"""Data: tokenizers (byte-level now, BPE later), corpus readers, packing."""
+"""Data: tokenizers (bytes, byte-level BPE), corpus readers, packing with document boundaries."""
 
-from hyla.data.tokenizer import ByteTokenizer
+from hyla.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, train_bpe
 
-__all__ = ["ByteTokenizer"]
+__all__ = ["BPETokenizer", "ByteTokenizer", "load_tokenizer", "train_bpe"]

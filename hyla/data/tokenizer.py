@@ -17,6 +17,7 @@ class ByteTokenizer:
     """
 
     vocab_size = 256
+    eos_id = None  # documents are separated by cu_seqlens only
 
     def encode(self, text: str) -> list[int]:
         """Return the UTF-8 bytes of ``text`` as a list of ints in [0, 256)."""
@@ -34,3 +35,72 @@ class ByteTokenizer:
         if bad:
             raise ValueError(f"ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         return bytes(ids).decode("utf-8", errors="replace")
+
+
+EOS = "<|endoftext|>"
+
+
+class BPETokenizer:
+    """Byte-level BPE (Hugging Face ``tokenizers``), stored as ``tokenizer.json``.
+
+    Documents end with the ``<|endoftext|>`` token (``eos_id``) when packed for training.
+
+    Example:
+        >>> tok = train_bpe(["def f(x):\\n    return x\\n"] * 50, vocab_size=300)
+        >>> tok.decode(tok.encode("def f(x):"))
+        'def f(x):'
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+        self.eos_id = tokenizer.token_to_id(EOS)
+        if self.eos_id is None:
+            raise ValueError(f"tokenizer has no {EOS} token: expected one trained by hyla")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a str, got {type(text).__name__}")
+        return self._tok.encode(text).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+    def save(self, path) -> None:
+        self._tok.save(str(path))
+
+    @classmethod
+    def load(cls, path) -> BPETokenizer:
+        from tokenizers import Tokenizer
+
+        try:
+            return cls(Tokenizer.from_file(str(path)))
+        except Exception as e:  # tokenizers raises plain Exceptions for bad files
+            raise ValueError(f"{path} is not a tokenizers JSON file: {e}") from e
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int = 8192) -> BPETokenizer:
+    """Train a byte-level BPE of ``vocab_size`` ids (256 bytes + merges + <|endoftext|>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 257:
+        raise ValueError(f"vocab_size must be >= 257 (256 bytes + {EOS}), got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return BPETokenizer(tok)
+
+
+def load_tokenizer(directory) -> ByteTokenizer | BPETokenizer:
+    """The tokenizer saved beside a checkpoint: ``tokenizer.json`` if present, else bytes."""
+    import pathlib
+
+    path = pathlib.Path(directory) / "tokenizer.json"
+    return BPETokenizer.load(path) if path.is_file() else ByteTokenizer()

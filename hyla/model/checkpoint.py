@@ -15,7 +15,7 @@ import pathlib
 import torch
 from safetensors.torch import load_file, save_file
 
-from hyla.data.tokenizer import ByteTokenizer
+from hyla.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
 from hyla.model.config import HylaConfig
 from hyla.model.model import HylaLM
 
@@ -24,8 +24,9 @@ WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer.json"
 
 
-def save_checkpoint(model: HylaLM, out_dir: str | os.PathLike) -> pathlib.Path:
-    """Write ``model`` to ``out_dir`` (created if needed); returns the directory.
+def save_checkpoint(model: HylaLM, out_dir: str | os.PathLike,
+                    tokenizer: BPETokenizer | ByteTokenizer | None = None) -> pathlib.Path:
+    """Write ``model`` (and a BPE ``tokenizer``) to ``out_dir``; returns the directory.
 
     Example:
         >>> import tempfile
@@ -42,6 +43,8 @@ def save_checkpoint(model: HylaLM, out_dir: str | os.PathLike) -> pathlib.Path:
     _atomic(out / WEIGHTS, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
     config = json.dumps(model.cfg.to_dict(), indent=2) + "\n"
     _atomic(out / CONFIG, lambda tmp: tmp.write_text(config, encoding="utf-8"))
+    if isinstance(tokenizer, BPETokenizer):
+        _atomic(out / TOKENIZER, tokenizer.save)
     return out
 
 
@@ -49,10 +52,11 @@ def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cp
                     dtype: torch.dtype | None = None) -> tuple[HylaLM, ByteTokenizer]:
     """Load a checkpoint directory; returns (model in eval mode, tokenizer).
 
+    ``path`` may also be a training run's output directory: its newest ``ckpt-<step>`` loads.
     Raises ValueError naming the file when the directory, its config or its weights are
     missing, corrupt or do not match each other.
     """
-    root = pathlib.Path(path)
+    root = latest_checkpoint(pathlib.Path(path))
     if not root.is_dir():
         raise ValueError(f"checkpoint {str(root)!r} is not a directory: expected one holding "
                          f"{CONFIG} and {WEIGHTS} (written by hyla train or save_checkpoint)")
@@ -80,11 +84,14 @@ def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cp
                          f"{missing[:5]}, unexpected {unexpected[:5]}")
     if dtype is not None:
         model = model.to(dtype)
-    if (root / TOKENIZER).is_file():
-        # BPE tokenizers arrive with the training issue; until then only byte vocabularies.
-        raise ValueError(f"{root / TOKENIZER}: BPE tokenizers are not supported yet; this "
-                         "version reads byte-level checkpoints (no tokenizer.json)")
-    return model.eval(), ByteTokenizer()
+    return model.eval(), load_tokenizer(root)
+
+
+def latest_checkpoint(path: pathlib.Path) -> pathlib.Path:
+    """A training run's directory resolves to its newest ``ckpt-<step>``; others to themselves."""
+    steps = sorted(path.glob("ckpt-*")) if path.is_dir() else []
+    steps = [p for p in steps if p.is_dir() and p.name[5:].isdigit()]
+    return steps[-1] if steps and not (path / CONFIG).is_file() else path
 
 
 def _atomic(target: pathlib.Path, write) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from hyla.model.config import LAYER_KINDS, HylaConfig
 from hyla.model.layers import AttentionLayer, GLALayer, RMSNorm, SwiGLU
@@ -21,6 +22,16 @@ class Block(nn.Module):
         self.mixer = GLALayer(cfg) if kind == "gla" else AttentionLayer(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Training form: x [B, T, d_model] -> [B, T, d_model]."""
+        h = self.mixer_norm(x)
+        if self.kind == "gla":
+            x = x + self.mixer(h, cu_seqlens=cu_seqlens)
+        else:
+            x = x + self.mixer(h, positions, cu_seqlens=cu_seqlens)
+        return x + self.mlp(self.mlp_norm(x))
 
 
 class HylaLM(nn.Module):
@@ -51,6 +62,8 @@ class HylaLM(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        # Recompute each block in backward instead of keeping its activations (training only).
+        self.activation_checkpointing = False
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -97,12 +110,10 @@ class HylaLM(nn.Module):
             cu_seqlens = cu_seqlens.to(input_ids.device)
         x = self.embed(input_ids)
         for block in self.blocks:
-            h = block.mixer_norm(x)
-            if block.kind == "gla":
-                x = x + block.mixer(h, cu_seqlens=cu_seqlens)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, positions, cu_seqlens, use_reentrant=False)
             else:
-                x = x + block.mixer(h, positions, cu_seqlens=cu_seqlens)
-            x = x + block.mlp(block.mlp_norm(x))
+                x = block(x, positions, cu_seqlens)
         return self._logits(x)
 
     @torch.no_grad()

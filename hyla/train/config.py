@@ -1,0 +1,80 @@
+"""Training run settings: one dataclass the CLI maps its flags onto."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+OPTIMIZERS = ("muon", "adamw")
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything a run needs besides the model preset's shape.
+
+    Example:
+        >>> TrainConfig(steps=10, seq_len=64).tokens_per_step
+        512
+    """
+
+    preset: str = "small"
+    data: str | None = None  # None: the embedded stdlib corpus
+    out: str = "runs/small"
+    steps: int = 200
+    seq_len: int = 256
+    batch_size: int = 8  # blocks per micro-batch
+    grad_accum: int = 1
+    optimizer: str = "muon"
+    lr: float = 3e-3  # AdamW (and Muon's AdamW-side parameters)
+    muon_lr: float = 0.02
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    decay_fraction: float = 0.2  # warmup-stable-decay: the last 20% of steps decay to 0
+    clip: float = 1.0
+    precision: str = "fp32"  # "bf16": autocast (fast on GPUs and AMX CPUs, slow elsewhere)
+    activation_checkpointing: bool = False
+    offload_activations: bool = False
+    save_every: int = 100
+    keep_last: int = 2
+    eval_every: int = 0  # 0: only at the end
+    eval_batches: int = 8
+    seed: int = 0
+    vocab_size: int = 8192
+    tokenizer_documents: int = 400  # training documents the BPE learns from
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "seq_len", "batch_size", "grad_accum", "save_every", "keep_last",
+                     "eval_batches", "vocab_size", "tokenizer_documents"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if not 0 <= self.decay_fraction <= 1:
+            raise ValueError(f"decay_fraction must be in [0, 1], got {self.decay_fraction}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.batch_size * self.grad_accum
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def wsd_lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Warmup-stable-decay: linear warmup, flat, then linear decay to zero at the last step.
+
+    Example:
+        >>> cfg = TrainConfig(steps=100, warmup_steps=10, decay_fraction=0.2)
+        >>> [round(wsd_lr_factor(s, cfg), 2) for s in (0, 9, 50, 80, 90, 99)]
+        [0.1, 1.0, 1.0, 1.0, 0.5, 0.05]
+    """
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    decay_steps = int(cfg.steps * cfg.decay_fraction)
+    decay_start = cfg.steps - decay_steps
+    if decay_steps and step >= decay_start:
+        return (cfg.steps - step) / decay_steps
+    return 1.0
