@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from hyla.ops.hardware import fast_low_precision_matmul
 from hyla.train.config import TrainConfig
 
 
@@ -43,5 +44,10 @@ def build_optimizers(model: torch.nn.Module, cfg: TrainConfig) -> list[torch.opt
     if muon_params:
         from hyla.train.muon import Muon
 
-        optimizers.append(Muon(muon_params, lr=cfg.muon_lr, weight_decay=cfg.weight_decay))
+        device = muon_params[0].device
+        # Newton-Schulz in bf16 where the hardware has bf16 GEMMs; emulated bf16 costs 100x.
+        ns_dtype = (torch.bfloat16 if fast_low_precision_matmul(torch.bfloat16, device)
+                    else torch.float32)
+        optimizers.append(Muon(muon_params, lr=cfg.muon_lr, weight_decay=cfg.weight_decay,
+                               ns_dtype=ns_dtype))
     return optimizers

@@ -25,6 +25,7 @@ import torch
 from hyla.ops.gla.checks import check_gla_inputs
 from hyla.ops.gla.layout import ChunkLayout
 from hyla.ops.gla.scores import intra_scores
+from hyla.ops.hardware import fast_low_precision_matmul
 
 CHUNK_SIZES = (16, 32, 64, 128)
 
@@ -142,19 +143,9 @@ def intra_chunk(q, k, v, g):
 
 
 def matmul_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the chunk matmuls run in: the input's, unless the device lacks fast kernels.
-
-    CPUs without AVX512-BF16/AMX run bf16/fp16 GEMMs about 100x slower than fp32 (measured:
-    1 vs 100+ GFLOP/s on an AMD EPYC), so there fp32 is both faster and more accurate.
-    """
-    if x.dtype == torch.float32 or x.device.type != "cpu":
-        return x.dtype
-    if x.dtype == torch.bfloat16 and (torch.cpu._is_amx_tile_supported()
-                                      or torch.cpu._is_avx512_bf16_supported()):
-        return x.dtype
-    if x.dtype == torch.float16 and torch.cpu._is_amx_fp16_supported():
-        return x.dtype
-    return torch.float32
+    """The dtype the chunk matmuls run in: the input's where the hardware multiplies it fast,
+    else fp32 (faster and more accurate there)."""
+    return x.dtype if fast_low_precision_matmul(x.dtype, x.device) else torch.float32
 
 
 def _scan(layout: ChunkLayout, decay, update, initial_state, N, H, K, V):
