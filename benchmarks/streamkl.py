@@ -8,10 +8,14 @@ Side by side in one run, causal, B = 1, H = 8, D = 64 on both sides, per length 
 - at N = 16384, naive and chunk under the same address-space cap (``RLIMIT_AS``): naive's
   score matrices alone exceed it (and this machine's 24 GB), chunk runs.
 
-Every measurement runs in a fresh child process with an address-space cap (so a naive run
-that would exhaust the machine fails with an out-of-memory error instead), first once for
-memory, then timed with ``tune_cpu_allocator()``. Naive runs that cannot fit the cap are
-reported as such, with the bytes they would need extrapolated from the largest run that fit.
+Every measurement runs in a fresh child process under an address-space cap, so a naive run
+that would exhaust the machine fails with an out-of-memory error instead: memory in one child
+per implementation (glibc's default allocator, so the high-water mark is the live peak), time
+in one child per row with both implementations interleaved (``tune_cpu_allocator()``), so
+that load from other processes on a shared machine hits both alike (in separate children
+where naive needs over a quarter of the cap: a tuned heap keeps its peak). Naive runs that do not
+fit the cap are reported as such, with the bytes they would need extrapolated from the
+largest run that fit.
 
     python benchmarks/streamkl.py            # N = 1024 .. 16384, about 15 minutes
     python benchmarks/streamkl.py --quick    # N = 1024, 2048, under a minute
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 
@@ -42,37 +47,50 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 GIB = 2**30
 
 
-def child(impl: str, mode: str, dtype: str, N: int, repeats: int) -> dict:
-    """One measurement, in this (fresh) process: peak extra memory, then median seconds."""
-    fn = FNS[impl]
+def _inputs(mode: str, dtype: str, N: int):
     gen = torch.Generator().manual_seed(0)
     q_t, k_t, q_s, k_s = (torch.randn(1, N, H, D, generator=gen).to(DTYPES[dtype])
                           for _ in range(4))
-    q_s.requires_grad_(mode == "fwd_bwd")
-    k_s.requires_grad_(mode == "fwd_bwd")
+    return q_t, k_t, q_s.requires_grad_(mode == "fwd_bwd"), k_s.requires_grad_(mode == "fwd_bwd")
+
+
+def _step(impl: str, mode: str, inputs):
+    fn = FNS[impl]
 
     def step():
         if mode == "fwd":
             with torch.no_grad():
-                return fn(q_t, k_t, q_s, k_s)
-        fn(q_t, k_t, q_s, k_s).backward()
-        q_s.grad = k_s.grad = None
+                return fn(*inputs)
+        fn(*inputs).backward()
+        inputs[2].grad = inputs[3].grad = None
+    return step
 
-    small = [x[:, :64].detach().requires_grad_(x.requires_grad) for x in (q_t, k_t, q_s, k_s)]
-    fn(*small).sum().backward() if mode == "fwd_bwd" else fn(*small)   # lazy init off the books
+
+def child_memory(impl: str, mode: str, dtype: str, N: int) -> dict:
+    """Peak resident memory of one call above the inputs, glibc's default allocator (which
+    returns big blocks to the OS at once, so the high-water mark is the live peak)."""
+    _step(impl, mode, _inputs(mode, dtype, 64))()   # lazy initialisation off the books
+    step = _step(impl, mode, _inputs(mode, dtype, N))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     step()
-    extra = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    return {"extra_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before}
+
+
+def child_time(impls: list[str], mode: str, dtype: str, N: int, repeats: int) -> dict:
+    """Median seconds of each implementation, runs interleaved so that load from other
+    processes on this shared machine hits both alike."""
     tune_cpu_allocator()
-    # The memory run was the warm-up; long runs are timed once (they take tens of seconds).
-    seconds = time_fn(step, repeats=1 if N >= 8192 else repeats, warmup=0)
-    return {"extra_bytes": extra, "seconds": seconds}
+    inputs = _inputs(mode, dtype, N)
+    times: dict[str, list[float]] = {impl: [] for impl in impls}
+    for _ in range(repeats + 1):   # the first round is the warm-up
+        for impl in impls:
+            times[impl].append(time_fn(_step(impl, mode, inputs), repeats=1, warmup=0))
+    return {impl: statistics.median(t[1:]) for impl, t in times.items()}
 
 
-def measure(impl: str, mode: str, dtype: str, N: int, repeats: int, cap_gib: float) -> dict:
-    """Run :func:`child` in a subprocess under an address-space cap; {"error": ...} on OOM."""
-    cmd = [sys.executable, __file__, "--child", impl, mode, dtype, str(N), str(repeats),
-           str(cap_gib)]
+def measure(*args, cap_gib: float) -> dict:
+    """Run a child measurement in a subprocess under an address-space cap."""
+    cmd = [sys.executable, __file__, "--cap", str(cap_gib), "--child", *map(str, args)]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
@@ -84,13 +102,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two short lengths only")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--cap", type=float, default=CAP_GIB, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        impl, mode, dtype, N, repeats, cap = args.child
-        cap_bytes = int(float(cap) * GIB)
+        cap_bytes = int(args.cap * GIB)
         resource.setrlimit(resource.RLIMIT_AS, (cap_bytes, cap_bytes))
-        print(json.dumps(child(impl, mode, dtype, int(N), int(repeats))))
+        kind, impls, mode, dtype, N, *rest = args.child
+        if kind == "memory":
+            print(json.dumps(child_memory(impls, mode, dtype, int(N))))
+        else:
+            print(json.dumps(child_time(impls.split(","), mode, dtype, int(N), int(rest[0]))))
         return
 
     lengths = QUICK_LENGTHS if args.quick else LENGTHS
@@ -98,27 +120,40 @@ def main() -> None:
     for dtype in DTYPES:
         for mode in ("fwd", "fwd_bwd"):
             for N in lengths:
-                res = {impl: measure(impl, mode, dtype, N, args.repeats, CAP_GIB)
+                mem = {impl: measure("memory", impl, mode, dtype, N, cap_gib=CAP_GIB)
                        for impl in FNS}
-                c, n = res["chunk"], res["naive"]
+                fits = [impl for impl in FNS if "error" not in mem[impl]]
+                # Long runs take tens of seconds each: one timed round after the warm-up.
+                repeats = 1 if N >= 8192 else args.repeats
+                big = any(mem[i].get("extra_bytes", 0) > CAP_GIB * GIB / 4 for i in fits)
+                if big:
+                    # Two implementations sharing one tuned heap would not fit the cap.
+                    sec = {}
+                    for impl in fits:
+                        sec |= measure("time", impl, mode, dtype, N, repeats, cap_gib=CAP_GIB)
+                else:
+                    sec = measure("time", ",".join(fits), mode, dtype, N, repeats,
+                                  cap_gib=CAP_GIB)
+                c, n = mem["chunk"], mem["naive"]
                 row = {"dtype": dtype, "mode": mode, "N": N,
-                       "chunk_s": c.get("seconds"), "naive_s": n.get("seconds"),
+                       "chunk_s": sec.get("chunk"), "naive_s": sec.get("naive"),
                        "chunk_speedup": None, "chunk_extra_MiB": c.get("extra_bytes", 0) / 2**20,
-                       "naive_extra_MiB": None, "mem_ratio_pct": None}
-                if "error" in c:
-                    row["chunk_error"] = c["error"]
+                       "naive_extra_MiB": None, "mem_ratio_pct": None,
+                       "timed": "apart" if big else "interleaved"}
+                for impl, res in [*mem.items(), ("time", sec)]:
+                    if "error" in res:
+                        row[f"{impl}_error"] = f"over the {CAP_GIB} GiB cap: {res['error']}"
                 if "error" in n:
                     # Extrapolate from the largest run that fit: memory grows as N^2.
                     per = bytes_per_entry.get((dtype, mode))
-                    row["naive_error"] = f"over {CAP_GIB} GiB cap: {n['error']}"
                     if per is not None:
                         row["naive_needs_GiB_est"] = per * H * N * N / GIB
                 else:
                     bytes_per_entry[(dtype, mode)] = n["extra_bytes"] / (H * N * N)
                     row["naive_extra_MiB"] = n["extra_bytes"] / 2**20
                     row["mem_ratio_pct"] = 100 * c.get("extra_bytes", 0) / n["extra_bytes"]
-                    if "seconds" in c:
-                        row["chunk_speedup"] = n["seconds"] / c["seconds"]
+                if "chunk" in sec and "naive" in sec:
+                    row["chunk_speedup"] = sec["naive"] / sec["chunk"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
 
@@ -126,10 +161,10 @@ def main() -> None:
     if not args.quick:
         N = 16384
         for impl in FNS:
-            res = measure(impl, "fwd", "float32", N, 1, OOM_CAP_GIB)
+            res = measure("memory", impl, "fwd", "float32", N, cap_gib=OOM_CAP_GIB)
             oom_rows.append({"impl": impl, "N": N, "cap_GiB": OOM_CAP_GIB,
-                             "score_matrix_GiB": H * N * N * 4 / GIB,
-                             "ok": "error" not in res, "seconds": res.get("seconds"),
+                             "one_score_matrix_GiB": H * N * N * 4 / GIB,
+                             "ok": "error" not in res,
                              "extra_MiB": res["extra_bytes"] / 2**20 if "error" not in res
                              else None, "error": res.get("error", "")})
 

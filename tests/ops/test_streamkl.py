@@ -226,3 +226,18 @@ def test_bad_input_mixed_devices():
     q, k = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
     with pytest.raises(ValueError, match="one device"):
         attention_kl(q, k, q.to("meta"), k.to("meta"))
+
+
+def test_documented_signature():
+    import inspect
+
+    params = inspect.signature(attention_kl).parameters
+    assert list(params)[:8] == ["q_t", "k_t", "q_s", "k_s", "scale_t", "scale_s", "causal",
+                                "reduction"]
+    assert all(params[n].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+               for n in ("q_t", "k_t", "q_s", "k_s"))
+    defaults = {"scale_t": None, "scale_s": None, "causal": True, "reduction": "mean"}
+    for name, default in defaults.items():
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
+        assert params[name].default == default
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(params.values())[4:])
