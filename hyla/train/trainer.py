@@ -24,7 +24,7 @@ from hyla.data.tokenizer import load_tokenizer, train_bpe
 from hyla.model import HylaLM, preset
 from hyla.train.checkpointing import load_train_state, save_train_checkpoint
 from hyla.train.config import TrainConfig, wsd_lr_factor
-from hyla.train.optim import build_optimizers
+from hyla.train.optim import run_optimizers
 
 
 def stack_blocks(blocks: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -85,7 +85,7 @@ class Trainer:
         model_cfg = dataclasses.replace(preset(cfg.preset), vocab_size=self.tokenizer.vocab_size)
         self.model = HylaLM(model_cfg)
         self.model.activation_checkpointing = cfg.activation_checkpointing
-        self.optimizers = build_optimizers(self.model, cfg)
+        self.optimizers = run_optimizers(self.model, cfg)
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: wsd_lr_factor(s, cfg))
                            for o in self.optimizers]
         self.step, position = 0, None
