@@ -2,9 +2,10 @@
 
 - :func:`attention_kl`: the op (dispatches to a backend), :class:`AttentionKLLoss`;
 - :func:`chunk_attention_kl`: streamed over query and key tiles, O(T) extra memory;
-- :func:`naive_attention_kl`: both ``T x S`` distributions materialised: the specification.
-
-No fused Triton kernel ships yet: one that cannot be tested here is not shipped.
+- :func:`naive_attention_kl`: both ``T x S`` distributions materialised: the specification;
+- ``hyla.ops.streamkl.triton``: fused forward and backward Triton kernels, chosen by
+  :func:`attention_kl` on CUDA when triton imports (imported lazily; tested on CPU through
+  Triton's interpreter, ``TRITON_INTERPRET=1``, not yet on a GPU).
 """
 
 from hyla.ops.streamkl.api import AttentionKLLoss, attention_kl

@@ -1,17 +1,36 @@
 """``attention_kl``: the public StreamKL op, dispatching to a backend; ``AttentionKLLoss``.
 
-Backends: ``"chunk"`` (streaming PyTorch, any device: the default), ``"naive"`` (materialised
-reference, O(T S) memory). There is no fused GPU kernel yet (see the package docstring).
+Backends: ``"chunk"`` (streaming PyTorch, any device), ``"naive"`` (materialised reference,
+O(T S) memory), ``"triton"`` (fused kernels, :mod:`hyla.ops.streamkl.triton`; optional, needs
+the ``triton`` package). ``backend=None`` picks ``"triton"`` for CUDA tensors when triton
+imports, ``"chunk"`` otherwise.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib
 
 import torch
 
 from hyla.ops.streamkl.chunk import chunk_attention_kl
 from hyla.ops.streamkl.naive import naive_attention_kl
 
-BACKENDS = {"chunk": chunk_attention_kl, "naive": naive_attention_kl}
+BACKENDS = ("chunk", "naive", "triton")
+
+
+@functools.cache
+def _triton_backend():
+    """The triton backend's function, or None when triton does not import. Imported lazily:
+    importing triton costs about a second and CPU-only installs need not have it."""
+    try:
+        return importlib.import_module("hyla.ops.streamkl.triton").triton_attention_kl
+    except ImportError:
+        return None
+
+
+def _default_backend(x: torch.Tensor) -> str:
+    return "triton" if x.is_cuda and _triton_backend() is not None else "chunk"
 
 
 def attention_kl(q_t, k_t, q_s, k_s, *, scale_t=None, scale_s=None, causal=True,
@@ -34,8 +53,10 @@ def attention_kl(q_t, k_t, q_s, k_s, *, scale_t=None, scale_s=None, causal=True,
         reduction: "none" -> [B, H, T]; "sum"; "mean" over valid rows.
         cu_seqlens: optional int [N + 1] offsets of packed documents (B == 1, S == T); no row
             sees a key of another document.
-        backend: "chunk" or "naive"; None picks "chunk".
-        block_q, block_k: tile sizes of the chunk backend.
+        backend: "chunk", "naive" or "triton"; None picks "triton" for CUDA tensors when
+            triton imports, else "chunk". "triton" computes what its kernels do not support
+            (cu_seqlens, fp64, non-CUDA tensors) with "chunk".
+        block_q, block_k: tile sizes of the chunk backend (and of triton's fallback).
     Returns:
         The KL in float32 (float64 for float64 inputs). Gradients reach q_s, k_s and, when
         they require grad, q_t and k_t.
@@ -48,14 +69,22 @@ def attention_kl(q_t, k_t, q_s, k_s, *, scale_t=None, scale_s=None, causal=True,
         >>> q_s.grad.shape
         torch.Size([2, 64, 4, 16])
     """
-    name = "chunk" if backend is None else backend
-    if name not in BACKENDS:
+    if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)} or None, got {backend!r}")
+    name = backend
+    if name is None:
+        name = _default_backend(q_t) if isinstance(q_t, torch.Tensor) else "chunk"
     kw = {"scale_t": scale_t, "scale_s": scale_s, "causal": causal, "reduction": reduction,
           "cu_seqlens": cu_seqlens}
+    if name == "naive":
+        return naive_attention_kl(q_t, k_t, q_s, k_s, **kw)
+    kw |= {"block_q": block_q, "block_k": block_k}
     if name == "chunk":
-        kw |= {"block_q": block_q, "block_k": block_k}
-    return BACKENDS[name](q_t, k_t, q_s, k_s, **kw)
+        return chunk_attention_kl(q_t, k_t, q_s, k_s, **kw)
+    fn = _triton_backend()
+    if fn is None:
+        raise ValueError('backend="triton" needs the triton package: pip install "hyla[gpu]"')
+    return fn(q_t, k_t, q_s, k_s, **kw)
 
 
 class AttentionKLLoss(torch.nn.Module):
