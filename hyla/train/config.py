@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 OPTIMIZERS = ("muon", "adamw")
 PRECISIONS = ("fp32", "bf16")
+MUON_STRATEGIES = ("all_to_all", "all_gather")  # DistMuon's, under torchrun
 
 
 @dataclass(kw_only=True)
@@ -28,6 +29,7 @@ class TrainConfig:
     optimizer: str = "muon"
     lr: float = 3e-3  # AdamW (and Muon's AdamW-side parameters)
     muon_lr: float = 0.02
+    muon_strategy: str = "all_to_all"  # multi-process runs: how DistMuon shares matrices
     weight_decay: float = 0.0
     warmup_steps: int = 10
     decay_fraction: float = 0.2  # warmup-stable-decay: the last 20% of steps decay to 0
@@ -52,6 +54,9 @@ class TrainConfig:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.muon_strategy not in MUON_STRATEGIES:
+            raise ValueError(f"muon_strategy must be one of {MUON_STRATEGIES}, "
+                             f"got {self.muon_strategy!r}")
         if not 0 <= self.decay_fraction <= 1:
             raise ValueError(f"decay_fraction must be in [0, 1], got {self.decay_fraction}")
 

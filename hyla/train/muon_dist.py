@@ -75,8 +75,6 @@ class DistMuon(torch.optim.Optimizer):
         self.comm_dtype = comm_dtype
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self._params = [p for g in self.param_groups for p in g["params"]]
-        # lr schedules edit the group dicts in place, so holding the dicts stays current.
-        self._groups = [g for g in self.param_groups for _ in g["params"]]
         for p in self._params:
             if p.ndim != 2:
                 raise ValueError(f"params must all be 2-D matrices, got one of shape "
@@ -148,6 +146,8 @@ class DistMuon(torch.optim.Optimizer):
         if len(grad_shards) != len(self._params):
             raise ValueError(f"grad_shards must have one slice per param ({len(self._params)}), "
                              f"got {len(grad_shards)}")
+        # Looked up every step: load_state_dict replaces the group dicts (schedulers edit them).
+        groups = [g for g in self.param_groups for _ in g["params"]]
         u = []
         for i, (p, g) in enumerate(zip(self._params, grad_shards, strict=True)):
             want = (self._rows[i], self._shapes[i][1])
@@ -157,13 +157,13 @@ class DistMuon(torch.optim.Optimizer):
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(g)
-            group = self._groups[i]
+            group = groups[i]
             x = momentum_update(g, state["momentum_buffer"], group["momentum"],
                                 group["nesterov"])
             u.append(x.to(self.comm_dtype) if self.comm_dtype is not None else x)
         slices = self._all_gather(u) if self.strategy == "all_gather" else self._all_to_all(u)
         for i, (p, o) in enumerate(zip(self._params, slices, strict=True)):
-            group = self._groups[i]
+            group = groups[i]
             lo, hi = row_range(self._shapes[i][0], self.rank, self.world)
             rows = p[lo:hi]
             rows.mul_(1 - group["lr"] * group["weight_decay"])

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import time
 
@@ -22,6 +23,7 @@ from hyla.data.corpus import iter_documents
 from hyla.data.packing import corpus_blocks
 from hyla.data.tokenizer import load_tokenizer, train_bpe
 from hyla.model import HylaLM, preset
+from hyla.train import distributed
 from hyla.train.checkpointing import load_train_state, save_train_checkpoint
 from hyla.train.config import TrainConfig, wsd_lr_factor
 from hyla.train.optim import run_optimizers
@@ -75,17 +77,25 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, resume: str | None = None):
         self.out = pathlib.Path(resume or cfg.out)
+        # World size 1 (no torchrun, no process group): every distributed hook below is skipped.
+        self.rank, self.world = distributed.setup()
         state = load_train_state(self.out, cfg) if resume else None
         if state is not None:
+            distributed.check_resume_world(state, self.world, self.out)
             cfg = state["cfg"]
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.tokenizer = self._tokenizer(state is not None)
+        with distributed.rank_zero_first(self.world):
+            self.tokenizer = self._tokenizer(state is not None)
         model_cfg = dataclasses.replace(preset(cfg.preset), vocab_size=self.tokenizer.vocab_size)
         self.model = HylaLM(model_cfg)
         self.model.activation_checkpointing = cfg.activation_checkpointing
-        self.optimizers = run_optimizers(self.model, cfg)
+        if self.world > 1:
+            distributed.broadcast_parameters(self.model)
+            self.optimizers = distributed.build_optimizers(self.model, cfg)
+        else:
+            self.optimizers = run_optimizers(self.model, cfg)
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: wsd_lr_factor(s, cfg))
                            for o in self.optimizers]
         self.step, position = 0, None
@@ -102,8 +112,11 @@ class Trainer:
             self.step, position = state["step"], state["data_position"]
         self.blocks = corpus_blocks(cfg.data, self.tokenizer, cfg.seq_len, split="train",
                                     seed=cfg.seed, position=position)
+        if self.world > 1:
+            self.blocks = distributed.StridedBlocks(self.blocks, self.rank, self.world)
         self.metrics_path = self.out / "metrics.jsonl"
-        self._truncate_metrics()
+        if self.rank == 0:
+            self._truncate_metrics()
 
     def _tokenizer(self, resuming: bool):
         path = self.out / "tokenizer.json"
@@ -136,6 +149,8 @@ class Trainer:
                 loss = lm_loss(self.model, *batch, cfg.precision) / cfg.grad_accum
             loss.backward()
             total += loss.item()
+        if self.world > 1:  # before clipping, so every rank clips the same averaged gradient
+            total = distributed.average_gradients(self.model, total, self.world)
         if cfg.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip)
         for opt in self.optimizers:
@@ -147,14 +162,19 @@ class Trainer:
         return total
 
     def save(self) -> pathlib.Path:
-        return save_train_checkpoint(self, self.out / f"ckpt-{self.step:06d}")
+        target = self.out / f"ckpt-{self.step:06d}"
+        if self.world > 1:
+            return distributed.save(self, target)
+        return save_train_checkpoint(self, target)
 
     def fit(self, progress: bool = True) -> dict:
         """Train to ``cfg.steps``; returns the last metrics record (with ``val_loss``)."""
         cfg = self.cfg
         record: dict = {"step": self.step}
-        bar = _progress(progress)
-        with bar, self.metrics_path.open("a") as log:
+        tokens_per_step = cfg.tokens_per_step * self.world  # the global batch
+        bar = _progress(progress and self.rank == 0)
+        log_path = self.metrics_path if self.rank == 0 else os.devnull  # rank 0 logs alone
+        with bar, open(log_path, "a") as log:
             task = bar.add_task("train", total=cfg.steps, completed=self.step, loss=math.nan,
                                 tok_s=0.0, lr=0.0)
             while self.step < cfg.steps:
@@ -163,8 +183,8 @@ class Trainer:
                 seconds = time.perf_counter() - start
                 record = {"step": self.step, "loss": loss,
                           "lr": self.schedulers[0].get_last_lr()[0],
-                          "tokens": self.step * cfg.tokens_per_step,
-                          "tokens_per_s": cfg.tokens_per_step / seconds}
+                          "tokens": self.step * tokens_per_step,
+                          "tokens_per_s": tokens_per_step / seconds}
                 last = self.step == cfg.steps
                 if (cfg.eval_every and self.step % cfg.eval_every == 0) or last:
                     record["val_loss"] = validation_loss(self.model, self.tokenizer, cfg)
