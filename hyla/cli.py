@@ -1,12 +1,13 @@
 """``hyla <command>``: each command is a thin call into a package function.
 
 Commands: ``memory`` (state vs KV cache), ``generate`` (sample text), ``quickstart`` (a tour
-in a few seconds), ``info`` (versions, device, measured matmul peak).
+in a few seconds), ``info`` (versions, device, measured matmul peak), ``eval recall`` (MQAR).
 
 Example:
     $ hyla memory --preset laplace-3b --context 8K --budget-gib 80
     $ hyla memory --preset laplace-3b --context 8192 --json
     $ hyla generate --preset debug --prompt "Hello" --max-tokens 32 --seed 0
+    $ hyla eval recall --preset quick --out benchmarks/results/recall_quick
 """
 
 from __future__ import annotations
@@ -188,13 +189,27 @@ def cmd_quickstart(args: argparse.Namespace, out: Console) -> int:
     line = _published_line(big)
     if line:
         out.print(line)
-    model, tok = _random_model("small", args.seed)
-    prompt = "The state of a linear-attention layer"
+    from hyla.model.checkpoint import load_checkpoint
+    from hyla.train.config import TrainConfig
+    from hyla.train.trainer import Trainer
+
+    # AdamW here: at a CPU-sized batch Muon's Newton-Schulz costs more than the model itself.
+    cfg = TrainConfig(preset=args.preset, steps=args.steps, seq_len=256, batch_size=4,
+                      optimizer="adamw", lr=3e-3, warmup_steps=min(5, args.steps),
+                      save_every=args.steps, eval_batches=4, out=args.out)
+    out.print(f"Training [bold]{cfg.preset}[/] for {cfg.steps} steps of "
+              f"{cfg.tokens_per_step:,} tokens on the Python standard library's source "
+              f"(a byte-level BPE of {cfg.vocab_size:,} tokens is trained first):")
+    record = Trainer(cfg).fit()
+    out.print(f"validation loss [bold]{record['val_loss']:.3f}[/] nats/token after "
+              f"{record['tokens']:,} tokens; checkpoint in {cfg.out} "
+              f"(hyla generate --checkpoint {cfg.out} --prompt ...)")
+    model, tok = load_checkpoint(cfg.out)
+    prompt = "def fibonacci(n):\n    "
     with _threads(args.threads):
         text = _generate_text(model, tok, prompt, args)
-    out.print("Generating with the [bold]small[/] preset and [bold]random weights[/] "
-              "(byte vocabulary, untrained: expect noise):")
-    out.print(repr(prompt + text))
+    out.print("A sampled completion of a Python prompt:")
+    out.print(prompt + text, markup=False, highlight=False)
     return 0
 
 
@@ -222,6 +237,58 @@ def cmd_info(args: argparse.Namespace, out: Console) -> int:
         table.add_row(f"matmul peak {str(dtype).removeprefix('torch.')} ({size}^3)",
                       f"{flops / 1e9:,.1f} GFLOP/s")
     out.print(table)
+    return 0
+
+
+def cmd_bench_muon_comm(args: argparse.Namespace, out: Console) -> int:
+    from hyla.train.muon_bench import run_muon_comm
+
+    r = run_muon_comm(args.world, args.preset, width_divisor=args.width_divisor,
+                      steps=args.steps, ns_dtype=args.ns_dtype, comm_dtype=args.comm_dtype)
+    if args.json:
+        sys.stdout.write(json.dumps(r) + "\n")
+        return 0
+    full = r["full_scale"]
+    table = Table(title=f"Distributed Muon, {r['world']} ranks, {r['preset']}, {r['comm_dtype']} "
+                        f"exchanges: per rank per step (run at width /{r['width_divisor']})")
+    for col in ("strategy", "bytes (run)", "NS FLOP (run)", "bytes (full)", "NS FLOP (full)"):
+        table.add_column(col, justify="right")
+    for name, s in r["strategies"].items():
+        f = full["strategies"][name]
+        table.add_row(name, format_bytes(s["bytes_per_rank"]), f"{s['ns_flops_per_rank']:.3g}",
+                      format_bytes(f["bytes_per_rank"]), f"{f['ns_flops_per_rank']:.3g}")
+    out.print(table)
+    out.print(f"all_gather / all_to_all bytes: measured {r['measured_ratio']:.3g}x, full width "
+              f"{full['ratio']:.3g}x, analytic W/2 = {r['analytic_ratio']:.3g}x; measured "
+              f"counts {'match' if r['matches_plan'] else 'DO NOT match'} the plan.")
+    return 0
+
+
+def cmd_eval_recall(args: argparse.Namespace, out: Console) -> int:
+    import time
+
+    from hyla.eval.recall import best_records, recall_preset, run_recall
+    from hyla.eval.recall_plot import plot_recall, write_recall
+    from hyla.perf import machine_info, print_table
+
+    p = recall_preset(args.preset)
+    runs = len(p.mixers) * len(p.lrs)
+    out.print(f"MQAR [bold]{p.name}[/]: mixers {', '.join(p.mixers)} x lrs "
+              f"{', '.join(f'{lr:g}' for lr in p.lrs)} ({runs} trainings of "
+              f"{p.train_steps} steps), seed {args.seed}")
+    start = time.perf_counter()
+    with _threads(args.threads):
+        records = run_recall(p, seed=args.seed, progress=lambda line: out.print(line))
+    seconds = time.perf_counter() - start
+    best = best_records(records)
+    write_recall(records, args.out, preset=dataclasses.asdict(p), seed=args.seed,
+                 seconds=round(seconds, 1), machine=machine_info())
+    plot_recall(best, args.out, title=f"MQAR ({p.name}), best lr per mixer, seed {args.seed}")
+    rows = [{k: r[k] for k in ("mixer", "seq_len", "num_kv_pairs", "accuracy", "state_bytes",
+                               "lr", "params")} for r in best]
+    print_table(f"MQAR recall ({p.name}, best lr per mixer)", rows, console=out)
+    out.print(f"{seconds:.0f} s; wrote {args.out}/results.json, accuracy_vs_pairs.png, "
+              f"accuracy_vs_state.png")
     return 0
 
 
@@ -269,12 +336,48 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling(p, 64, None)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("quickstart", help="a tour of hyla in a few seconds")
-    add_sampling(p, 32, 1)
+    p = sub.add_parser("quickstart", help="state accounting, a short training run, a sample")
+    p.add_argument("--preset", default="small")
+    p.add_argument("--steps", type=positive, default=40)
+    p.add_argument("--out", default="runs/quickstart")
+    add_sampling(p, 48, 1)
     p.set_defaults(func=cmd_quickstart)
 
     p = sub.add_parser("info", help="versions, device, measured matmul peak")
     p.set_defaults(func=cmd_info)
+
+    bench = sub.add_parser("bench", help="measurements behind the README's claims")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
+    p = bench_sub.add_parser("muon-comm", help="distributed Muon traffic: all_gather vs "
+                             "all_to_all, W local gloo processes")
+    p.add_argument("--world", required=True, type=positive, help="processes (ranks), >= 2")
+    p.add_argument("--preset", default="laplace-3b", help="debug, small, laplace-3b")
+    p.add_argument("--width-divisor", type=positive, default=None,
+                   help="divide the widths by this (default 16 for laplace-3b, else 1)")
+    p.add_argument("--steps", type=positive, default=1)
+    p.add_argument("--ns-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="Newton-Schulz precision (fp32: bf16 matmuls are slow on most CPUs)")
+    p.add_argument("--comm-dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_bench_muon_comm)
+
+    p = sub.add_parser("eval", help="evaluations: recall (MQAR), needle, perplexity")
+    evals = p.add_subparsers(dest="eval_command", required=True, parser_class=_Parser)
+    p = evals.add_parser("recall", help="train GLA / hybrid / attention models on MQAR, "
+                                        "plot accuracy vs load and vs state bytes")
+    p.add_argument("--preset", default="quick", choices=["quick", "zoology"],
+                   help="quick: minutes on a CPU; zoology: the paper's sweep (GPU)")
+    p.add_argument("--out", default="recall_results", help="output folder")
+    p.add_argument("--seed", type=int, default=0)
+    # Small models: one thread measured fastest on a shared 2-core machine.
+    p.add_argument("--threads", type=positive, default=1, help="torch CPU threads")
+    p.set_defaults(func=cmd_eval_recall)
+
+    from hyla.cli_eval import add_checkpoint_evals
+    from hyla.cli_train import add_train_commands
+
+    add_checkpoint_evals(evals)
+    add_train_commands(sub)
     return parser
 
 

@@ -60,13 +60,16 @@ def test_generate_is_seeded(capsys):
     assert run(capsys, *argv)[1] == first
 
 
-def test_quickstart(capsys):
+def test_quickstart(capsys, tmp_path):
     import torch
 
     threads = torch.get_num_threads()
-    code, out, _ = run(capsys, "quickstart", "--max-tokens", "4")
+    code, out, _ = run(capsys, "quickstart", "--max-tokens", "4", "--preset", "debug",
+                       "--steps", "2", "--out", str(tmp_path / "run"))
     assert code == 0
-    assert "random weights" in out and "parameters" in out and "29.5 MB" in out
+    assert "parameters" in out and "29.5 MB" in out and "validation loss" in out
+    assert "def fibonacci(n):" in out
+    assert (tmp_path / "run" / "ckpt-000002" / "model.safetensors").is_file()
     assert torch.get_num_threads() == threads  # restored
 
 
@@ -105,3 +108,22 @@ def test_generate_from_a_checkpoint(tmp_path, capsys):
                  "--max-tokens", "4", "--temperature", "0"]) == 0
     assert capsys.readouterr().out.startswith("hi")
     assert main(["generate", "--prompt", "hi"]) == 2
+
+
+def test_eval_ppl_and_needle_on_a_checkpoint(tmp_path, capsys):
+    from hyla.model import HylaLM, preset
+    from hyla.model.checkpoint import save_checkpoint
+
+    save_checkpoint(HylaLM(preset("debug")), tmp_path / "ckpt")
+    data = tmp_path / "d.txt"
+    data.write_text("print('hello world')\n" * 40)
+    assert main(["eval", "ppl", "--checkpoint", str(tmp_path / "ckpt"), "--data", str(data),
+                 "--seq-len", "64", "--max-tokens", "512", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["tokens"] == 8 * 63 and r["perplexity"] > 1
+    assert main(["eval", "needle", "--checkpoint", str(tmp_path / "ckpt"), "--context", "256",
+                 "--depths", "0,1", "--trials", "1", "--out", str(tmp_path / "n")]) == 0
+    records = json.loads((tmp_path / "n" / "needle.json").read_text())
+    assert [r["depth"] for r in records] == [0.0, 1.0]
+    assert (tmp_path / "n" / "needle.png").is_file()
+    assert main(["eval", "needle", "--checkpoint", str(tmp_path / "nope")]) == 2

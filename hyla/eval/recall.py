@@ -1,0 +1,236 @@
+"""MQAR recall: train small GLA, hybrid and attention models and measure what they recall.
+
+For each mixer (``GG`` all GLA, ``GA`` one GLA + one attention layer, ``AA`` all attention)
+and each learning rate of the sweep, a fresh model is trained with AdamW on freshly sampled
+MQAR batches (:mod:`hyla.eval.mqar`), then scored on held-out examples: accuracy is the
+fraction of query positions whose argmax is the right value (Zoology's metric). The best
+learning rate of each mixer (highest mean test accuracy) is the one reported and plotted.
+Models share ``d_model``, heads and MLP width, so their parameter counts match to within the
+mixers' own weights (reported per record). ``state_bytes`` is the per-sequence state at the
+test length, from :func:`hyla.eval.memory.state_bytes`, with the attention keys and values
+counted in fp32, the dtype these models run in.
+
+Example:
+    >>> p = RecallPreset(name="tiny", vocab_size=64, d_model=32, train=((32, 4),),
+    ...                  test=((32, 4),), mixers=("AA",), lrs=(3e-3,), train_steps=2,
+    ...                  batch_size=4, test_examples=4)
+    >>> [r["mixer"] for r in run_recall(p, seed=0)]
+    ['AA']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyla.eval.memory import state_bytes
+from hyla.eval.mqar import IGNORE, check_mqar_args, mqar
+from hyla.eval.recall_model import build_model
+from hyla.model import HylaConfig
+
+MIXERS = {"GG": "GLA only", "GA": "hybrid (GLA + attention)", "AA": "attention only"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecallPreset:
+    """What to train, what to test, and how hard to train.
+
+    ``train`` and ``test`` are ``(seq_len, num_kv_pairs)`` pairs; training cycles through the
+    train shapes one batch at a time. ``lrs`` is the learning-rate sweep (each mixer is trained
+    once per lr). ``warmup`` is a fraction of ``train_steps``; the lr then decays by cosine.
+    """
+
+    name: str
+    vocab_size: int
+    d_model: int
+    train: tuple[tuple[int, int], ...]
+    test: tuple[tuple[int, int], ...]
+    mixers: tuple[str, ...] = ("GG", "GA", "AA")
+    lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2)
+    n_heads: int = 1
+    ffn_dim: int | None = None  # None: 2 * d_model
+    chunk_size: int = 64
+    short_conv: int = 4  # Zoology's short causal conv before each mixer; 0 = none
+    gate_logit_normalizer: float = 16.0  # GLA's forget-gate scale (16: the model default)
+    train_steps: int = 1000
+    batch_size: int = 64
+    test_examples: int = 256
+    weight_decay: float = 0.1
+    warmup: float = 0.1
+
+    def __post_init__(self) -> None:
+        for shape in (*self.train, *self.test):
+            check_mqar_args(self.vocab_size, *shape)
+        for m in self.mixers:
+            if not m or set(m) - {"G", "A"}:
+                raise ValueError(f"mixers must be layer strings of 'G'/'A', got {m!r}")
+        if not self.lrs or any(lr <= 0 for lr in self.lrs):
+            raise ValueError(f"lrs must be positive learning rates, got {self.lrs}")
+        for name in ("train_steps", "batch_size", "test_examples"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def config(self, layers: str) -> HylaConfig:
+        """The model for one mixer: same width, heads and MLP for every mixer."""
+        return HylaConfig(vocab_size=self.vocab_size, d_model=self.d_model, layers=layers,
+                          n_heads=self.n_heads, ffn_dim=self.ffn_dim or 2 * self.d_model,
+                          chunk_size=self.chunk_size,
+                          gate_logit_normalizer=self.gate_logit_normalizer)
+
+
+def quick() -> RecallPreset:
+    """Minutes on a 2-core CPU: d_model 64, 4 to 64 pairs at seq_len 64 to 256."""
+    return RecallPreset(name="quick", vocab_size=320, d_model=64,
+                        train=((64, 4), (64, 8), (64, 16), (128, 32), (256, 64)),
+                        test=((64, 4), (128, 8), (128, 16), (128, 32), (256, 64)),
+                        lrs=(1e-3, 3e-3), train_steps=1200, batch_size=16, test_examples=128)
+
+
+def zoology() -> RecallPreset:
+    """Zoology's MQAR sweep (vocab 8192); hours on a CPU, meant for a GPU."""
+    return RecallPreset(name="zoology", vocab_size=8192, d_model=128,
+                        train=((64, 4), (128, 8), (256, 16), (256, 32), (256, 64)),
+                        test=((64, 4), (64, 8), (64, 16), (128, 32), (256, 64), (512, 128),
+                              (1024, 256)),
+                        lrs=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2), n_heads=1, train_steps=20000,
+                        batch_size=64, test_examples=1000)
+
+
+PRESETS: dict[str, Callable[[], RecallPreset]] = {"quick": quick, "zoology": zoology}
+
+
+def recall_preset(name: str) -> RecallPreset:
+    """A fresh recall preset by name: ``quick`` or ``zoology``.
+
+    Example:
+        >>> recall_preset("zoology").vocab_size
+        8192
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown recall preset {name!r}: expected one of {sorted(PRESETS)}")
+    return PRESETS[name]()
+
+
+def _lr_at(step: int, p: RecallPreset, lr: float) -> float:
+    warm = max(1, int(p.warmup * p.train_steps))
+    if step < warm:
+        return lr * (step + 1) / warm
+    progress = (step - warm) / max(1, p.train_steps - warm)
+    return lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def train_model(p: RecallPreset, layers: str, lr: float, seed: int) -> tuple[nn.Module, float]:
+    """Train a fresh ``layers`` model on MQAR; returns (model, final training loss)."""
+    torch.manual_seed(seed)
+    model = build_model(p.config(layers), p.short_conv)
+    # As usual, no weight decay on norms and biases.
+    decay = [q for q in model.parameters() if q.dim() >= 2]
+    rest = [q for q in model.parameters() if q.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": p.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.98))
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for step in range(p.train_steps):
+        seq_len, pairs = p.train[step % len(p.train)]
+        # Fresh data each step (never the test seeds, which start at 2**31).
+        batch = mqar(p.batch_size, seq_len, pairs, p.vocab_size,
+                     seed=seed * 1_000_003 + step)
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, p, lr)
+        logits = model(batch.inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(),
+                               ignore_index=IGNORE)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return model, float(loss.detach())
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, seq_len: int, num_kv_pairs: int, num_examples: int,
+             seed: int, batch_size: int = 64) -> float:
+    """Fraction of MQAR query positions where ``model``'s argmax is the paired value.
+
+    Example:
+        >>> from hyla.model.config import preset
+        >>> from hyla.model import HylaLM
+        >>> 0.0 <= accuracy(HylaLM(preset("debug")), 32, 4, 8, seed=0) <= 1.0
+        True
+    """
+    vocab = model.cfg.vocab_size
+    data = mqar(num_examples, seq_len, num_kv_pairs, vocab, seed=2**31 + seed)
+    model.eval()
+    correct = total = 0
+    for start in range(0, num_examples, batch_size):
+        x = data.inputs[start:start + batch_size]
+        y = data.labels[start:start + batch_size]
+        mask = y != IGNORE
+        pred = model(x).argmax(-1)
+        correct += int((pred[mask] == y[mask]).sum())
+        total += int(mask.sum())
+    return correct / total
+
+
+def _state_bytes(p: RecallPreset, cfg: HylaConfig, seq_len: int) -> int:
+    # fp32 keys and values: the dtype these models run in. A short conv keeps its last
+    # kernel - 1 inputs (fp32) per layer at decode time: counted too, though small.
+    conv = (p.short_conv - 1) * cfg.d_model * 4 * cfg.n_layers if p.short_conv else 0
+    return state_bytes(cfg, seq_len, kv_dtype=torch.float32)["total"] + conv
+
+
+def run_recall(p: RecallPreset, seed: int = 0,
+               progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Train and test every mixer at every lr of ``p``; one record per (mixer, lr, test shape).
+
+    Records carry ``mixer`` (the layer string), ``description``, ``seq_len``,
+    ``num_kv_pairs``, ``accuracy``, ``state_bytes``, ``lr``, ``seed``, ``d_model``,
+    ``params``, ``train_steps``, ``final_loss``, ``train_seconds`` and ``best`` (True for
+    the lr with the highest mean accuracy of that mixer: the one to report).
+    """
+    records: list[dict] = []
+    for layers in p.mixers:
+        cfg = p.config(layers)
+        by_lr: dict[float, list[dict]] = {}
+        for lr in p.lrs:
+            start = time.perf_counter()
+            model, loss = train_model(p, layers, lr, seed)
+            seconds = time.perf_counter() - start
+            params = sum(q.numel() for q in model.parameters())
+            rows = []
+            for i, (seq_len, pairs) in enumerate(p.test):
+                acc = accuracy(model, seq_len, pairs, p.test_examples, seed=seed * 101 + i)
+                rows.append({"mixer": layers, "description": MIXERS.get(layers, layers),
+                             "seq_len": seq_len, "num_kv_pairs": pairs, "accuracy": acc,
+                             "state_bytes": _state_bytes(p, cfg, seq_len),
+                             "lr": lr, "seed": seed, "d_model": p.d_model, "params": params,
+                             "train_steps": p.train_steps, "final_loss": loss,
+                             "train_seconds": round(seconds, 1), "best": False})
+            by_lr[lr] = rows
+            if progress is not None:
+                mean = sum(r["accuracy"] for r in rows) / len(rows)
+                progress(f"{layers} lr={lr:g}: loss {loss:.3f}, mean accuracy {mean:.3f} "
+                         f"({seconds:.0f} s)")
+        best = max(p.lrs, key=lambda lr: sum(r["accuracy"] for r in by_lr[lr]))
+        for lr in p.lrs:
+            for r in by_lr[lr]:
+                r["best"] = lr == best
+            records.extend(by_lr[lr])
+    return records
+
+
+def best_records(records: list[dict]) -> list[dict]:
+    """The records of each mixer's best learning rate."""
+    return [r for r in records if r["best"]]
+
+
+def with_steps(p: RecallPreset, **changes) -> RecallPreset:
+    """``p`` with some fields changed (e.g. fewer steps for a smoke run)."""
+    return dataclasses.replace(p, **changes)
