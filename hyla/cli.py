@@ -338,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("quickstart", help="state accounting, a short training run, a sample")
     p.add_argument("--preset", default="small")
-    p.add_argument("--steps", type=positive, default=40)
+    p.add_argument("--steps", type=positive, default=120)
     p.add_argument("--out", default="runs/quickstart")
     add_sampling(p, 48, 1)
     p.set_defaults(func=cmd_quickstart)
