@@ -92,3 +92,22 @@ def test_perplexity_counts_tokens_and_matches_a_hand_computation(tmp_path):
     assert math.isclose(r["perplexity"], math.exp(r["loss"]), rel_tol=1e-9)
     with pytest.raises(ValueError, match="fewer than one window"):
         perplexity(model, ByteTokenizer(), data, seq_len=512, max_tokens=4096)
+
+
+def test_parquet_reader_streams_text_and_names_a_missing_column(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["first doc", "", "second doc"], "id": [1, 2, 3]}),
+                   tmp_path / "shard.parquet")
+    assert list(iter_documents(tmp_path / "shard.parquet")) == ["first doc", "second doc"]
+    pq.write_table(pa.table({"content": ["x"]}), tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match="no 'text' column"):
+        list(iter_documents(tmp_path / "bad.parquet"))
+
+
+def test_packing_an_empty_corpus_is_a_clear_error(tmp_path):
+    from hyla.data.packing import PackedBlocks
+
+    with pytest.raises(ValueError, match="no documents"):
+        next(PackedBlocks(lambda: iter([]), ByteTokenizer(), seq_len=8))
