@@ -272,6 +272,8 @@ def cmd_eval_recall(args: argparse.Namespace, out: Console) -> int:
     from hyla.perf import machine_info, print_table
 
     p = recall_preset(args.preset)
+    if args.gate_normalizer is not None:
+        p = dataclasses.replace(p, gate_logit_normalizer=args.gate_normalizer)
     runs = len(p.mixers) * len(p.lrs)
     out.print(f"MQAR [bold]{p.name}[/]: mixers {', '.join(p.mixers)} x lrs "
               f"{', '.join(f'{lr:g}' for lr in p.lrs)} ({runs} trainings of "
@@ -369,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quick: minutes on a CPU; zoology: the paper's sweep (GPU)")
     p.add_argument("--out", default="recall_results", help="output folder")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gate-normalizer", type=float, default=None,
+                   help="GLA forget-gate normaliser (default: the preset's, 16)")
     # Small models: one thread measured fastest on a shared 2-core machine.
     p.add_argument("--threads", type=positive, default=1, help="torch CPU threads")
     p.set_defaults(func=cmd_eval_recall)

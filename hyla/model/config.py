@@ -6,8 +6,9 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hyla.ops.gla.chunk import CHUNK_SIZES
+
 LAYER_KINDS = {"G": "gla", "A": "attention"}
-CHUNK_SIZES = (16, 32, 64, 128)
 
 
 @dataclass(kw_only=True)
