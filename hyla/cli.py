@@ -1,7 +1,9 @@
 """``hyla <command>``: each command is a thin call into a package function.
 
-Commands: ``memory`` (state vs KV cache), ``generate`` (sample text), ``quickstart`` (a tour
-in a few seconds), ``info`` (versions, device, measured matmul peak), ``eval recall`` (MQAR).
+Commands here: ``memory`` (state vs KV cache), ``generate`` (sample text), ``quickstart``
+(state accounting, a short training run, a sample), ``info`` (versions, device, matmul peak).
+Groups in their own modules: ``train``/``plot``/``tokenizer`` (:mod:`hyla.cli_train`),
+``eval recall|needle|ppl`` (:mod:`hyla.cli_eval`), ``bench`` (:mod:`hyla.cli_bench`).
 
 Example:
     $ hyla memory --preset laplace-3b --context 8K --budget-gib 80
@@ -240,58 +242,11 @@ def cmd_info(args: argparse.Namespace, out: Console) -> int:
     return 0
 
 
-def cmd_bench_muon_comm(args: argparse.Namespace, out: Console) -> int:
-    from hyla.train.muon_bench import run_muon_comm
-
-    r = run_muon_comm(args.world, args.preset, width_divisor=args.width_divisor,
-                      steps=args.steps, ns_dtype=args.ns_dtype, comm_dtype=args.comm_dtype)
-    if args.json:
-        sys.stdout.write(json.dumps(r) + "\n")
-        return 0
-    full = r["full_scale"]
-    table = Table(title=f"Distributed Muon, {r['world']} ranks, {r['preset']}, {r['comm_dtype']} "
-                        f"exchanges: per rank per step (run at width /{r['width_divisor']})")
-    for col in ("strategy", "bytes (run)", "NS FLOP (run)", "bytes (full)", "NS FLOP (full)"):
-        table.add_column(col, justify="right")
-    for name, s in r["strategies"].items():
-        f = full["strategies"][name]
-        table.add_row(name, format_bytes(s["bytes_per_rank"]), f"{s['ns_flops_per_rank']:.3g}",
-                      format_bytes(f["bytes_per_rank"]), f"{f['ns_flops_per_rank']:.3g}")
-    out.print(table)
-    out.print(f"all_gather / all_to_all bytes: measured {r['measured_ratio']:.3g}x, full width "
-              f"{full['ratio']:.3g}x, analytic W/2 = {r['analytic_ratio']:.3g}x; measured "
-              f"counts {'match' if r['matches_plan'] else 'DO NOT match'} the plan.")
-    return 0
-
-
-def cmd_eval_recall(args: argparse.Namespace, out: Console) -> int:
-    import time
-
-    from hyla.eval.recall import best_records, recall_preset, run_recall
-    from hyla.eval.recall_plot import plot_recall, write_recall
-    from hyla.perf import machine_info, print_table
-
-    p = recall_preset(args.preset)
-    if args.gate_normalizer is not None:
-        p = dataclasses.replace(p, gate_logit_normalizer=args.gate_normalizer)
-    runs = len(p.mixers) * len(p.lrs)
-    out.print(f"MQAR [bold]{p.name}[/]: mixers {', '.join(p.mixers)} x lrs "
-              f"{', '.join(f'{lr:g}' for lr in p.lrs)} ({runs} trainings of "
-              f"{p.train_steps} steps), seed {args.seed}")
-    start = time.perf_counter()
-    with _threads(args.threads):
-        records = run_recall(p, seed=args.seed, progress=lambda line: out.print(line))
-    seconds = time.perf_counter() - start
-    best = best_records(records)
-    write_recall(records, args.out, preset=dataclasses.asdict(p), seed=args.seed,
-                 seconds=round(seconds, 1), machine=machine_info())
-    plot_recall(best, args.out, title=f"MQAR ({p.name}), best lr per mixer, seed {args.seed}")
-    rows = [{k: r[k] for k in ("mixer", "seq_len", "num_kv_pairs", "accuracy", "state_bytes",
-                               "lr", "params")} for r in best]
-    print_table(f"MQAR recall ({p.name}, best lr per mixer)", rows, console=out)
-    out.print(f"{seconds:.0f} s; wrote {args.out}/results.json, accuracy_vs_pairs.png, "
-              f"accuracy_vs_state.png")
-    return 0
+def positive(value: str) -> int:
+    """argparse type for a positive int."""
+    if not value.isdigit() or int(value) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {value!r}")
+    return int(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -314,11 +269,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"memory for weights + states (default {DEFAULT_BUDGET_GIB:g})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_memory)
-
-    def positive(value: str) -> int:
-        if not value.isdigit() or int(value) <= 0:
-            raise argparse.ArgumentTypeError(f"expected a positive int, got {value!r}")
-        return int(value)
 
     def add_sampling(p: argparse.ArgumentParser, max_tokens: int, threads: int | None) -> None:
         p.add_argument("--max-tokens", type=int, default=max_tokens)
@@ -348,39 +298,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="versions, device, measured matmul peak")
     p.set_defaults(func=cmd_info)
 
-    bench = sub.add_parser("bench", help="measurements behind the README's claims")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
-    p = bench_sub.add_parser("muon-comm", help="distributed Muon traffic: all_gather vs "
-                             "all_to_all, W local gloo processes")
-    p.add_argument("--world", required=True, type=positive, help="processes (ranks), >= 2")
-    p.add_argument("--preset", default="laplace-3b", help="debug, small, laplace-3b")
-    p.add_argument("--width-divisor", type=positive, default=None,
-                   help="divide the widths by this (default 16 for laplace-3b, else 1)")
-    p.add_argument("--steps", type=positive, default=1)
-    p.add_argument("--ns-dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="Newton-Schulz precision (fp32: bf16 matmuls are slow on most CPUs)")
-    p.add_argument("--comm-dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_bench_muon_comm)
-
-    p = sub.add_parser("eval", help="evaluations: recall (MQAR), needle, perplexity")
-    evals = p.add_subparsers(dest="eval_command", required=True, parser_class=_Parser)
-    p = evals.add_parser("recall", help="train GLA / hybrid / attention models on MQAR, "
-                                        "plot accuracy vs load and vs state bytes")
-    p.add_argument("--preset", default="quick", choices=["quick", "zoology"],
-                   help="quick: minutes on a CPU; zoology: the paper's sweep (GPU)")
-    p.add_argument("--out", default="recall_results", help="output folder")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--gate-normalizer", type=float, default=None,
-                   help="GLA forget-gate normaliser (default: the preset's, 16)")
-    # Small models: one thread measured fastest on a shared 2-core machine.
-    p.add_argument("--threads", type=positive, default=1, help="torch CPU threads")
-    p.set_defaults(func=cmd_eval_recall)
-
-    from hyla.cli_eval import add_checkpoint_evals
+    # Command groups with their own modules (imported here: they import from this one).
+    from hyla.cli_bench import add_bench_commands
+    from hyla.cli_eval import add_eval_commands
     from hyla.cli_train import add_train_commands
 
-    add_checkpoint_evals(evals)
+    add_bench_commands(sub)
+    add_eval_commands(sub)
     add_train_commands(sub)
     return parser
 

@@ -1,18 +1,35 @@
-"""``hyla eval needle`` and ``hyla eval ppl``: thin maps onto hyla.eval."""
+"""``hyla eval recall|needle|ppl``: thin maps onto hyla.eval."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 
 from rich.console import Console
 from rich.table import Table
 
+from hyla.cli import _Parser, _threads, positive
 
-def add_checkpoint_evals(eval_sub) -> None:
-    """Register ``needle`` and ``ppl`` on the ``hyla eval`` sub-parser set."""
-    p = eval_sub.add_parser("needle", help="passkey retrieval by context length and depth")
+
+def add_eval_commands(sub) -> None:
+    """Register ``hyla eval recall|needle|ppl`` on the ``hyla`` sub-parser set."""
+    p = sub.add_parser("eval", help="evaluations: recall (MQAR), needle, perplexity")
+    evals = p.add_subparsers(dest="eval_command", required=True, parser_class=_Parser)
+    p = evals.add_parser("recall", help="train GLA / hybrid / attention models on MQAR, "
+                                        "plot accuracy vs load and vs state bytes")
+    p.add_argument("--preset", default="quick", choices=["quick", "zoology"],
+                   help="quick: minutes on a CPU; zoology: the paper's sweep (GPU)")
+    p.add_argument("--out", default="recall_results", help="output folder")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gate-normalizer", type=float, default=None,
+                   help="GLA forget-gate normaliser (default: the preset's, 16)")
+    # Small models: one thread measured fastest on a shared 2-core machine.
+    p.add_argument("--threads", type=positive, default=1, help="torch CPU threads")
+    p.set_defaults(func=cmd_eval_recall)
+
+    p = evals.add_parser("needle", help="passkey retrieval by context length and depth")
     p.add_argument("--checkpoint", required=True, help="a checkpoint or training run directory")
     p.add_argument("--context", default="1K,2K,4K", help="comma-separated lengths, e.g. 1K,8K")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1")
@@ -21,13 +38,43 @@ def add_checkpoint_evals(eval_sub) -> None:
     p.add_argument("--out", default=None, help="folder for needle.json and needle.png")
     p.set_defaults(func=cmd_needle)
 
-    p = eval_sub.add_parser("ppl", help="validation perplexity of a checkpoint")
+    p = evals.add_parser("ppl", help="validation perplexity of a checkpoint")
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--data", default=None, help="text source (default: stdlib validation split)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=65536)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ppl)
+
+
+def cmd_eval_recall(args: argparse.Namespace, out: Console) -> int:
+    import time
+
+    from hyla.eval.recall import best_records, recall_preset, run_recall
+    from hyla.eval.recall_plot import plot_recall, write_recall
+    from hyla.perf import machine_info, print_table
+
+    p = recall_preset(args.preset)
+    if args.gate_normalizer is not None:
+        p = dataclasses.replace(p, gate_logit_normalizer=args.gate_normalizer)
+    runs = len(p.mixers) * len(p.lrs)
+    out.print(f"MQAR [bold]{p.name}[/]: mixers {', '.join(p.mixers)} x lrs "
+              f"{', '.join(f'{lr:g}' for lr in p.lrs)} ({runs} trainings of "
+              f"{p.train_steps} steps), seed {args.seed}")
+    start = time.perf_counter()
+    with _threads(args.threads):
+        records = run_recall(p, seed=args.seed, progress=lambda line: out.print(line))
+    seconds = time.perf_counter() - start
+    best = best_records(records)
+    write_recall(records, args.out, preset=dataclasses.asdict(p), seed=args.seed,
+                 seconds=round(seconds, 1), machine=machine_info())
+    plot_recall(best, args.out, title=f"MQAR ({p.name}), best lr per mixer, seed {args.seed}")
+    rows = [{k: r[k] for k in ("mixer", "seq_len", "num_kv_pairs", "accuracy", "state_bytes",
+                               "lr", "params")} for r in best]
+    print_table(f"MQAR recall ({p.name}, best lr per mixer)", rows, console=out)
+    out.print(f"{seconds:.0f} s; wrote {args.out}/results.json, accuracy_vs_pairs.png, "
+              f"accuracy_vs_state.png")
+    return 0
 
 
 def cmd_needle(args: argparse.Namespace, out: Console) -> int:
