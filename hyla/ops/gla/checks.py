@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from hyla.ops.attention import check_cu_seqlens
+
 
 def check_gla_inputs(q, k, v, g, scale, initial_state, cu_seqlens) -> tuple[int, float]:
     """Validate the GLA op contract; return (number of sequences N, scale).
@@ -30,18 +32,7 @@ def check_gla_inputs(q, k, v, g, scale, initial_state, cu_seqlens) -> tuple[int,
     if g.numel() and bool((g > 0).any()):
         raise ValueError(f"g is a log forget gate and must be <= 0, got max {g.max().item():.4g}")
     if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"cu_seqlens requires batch size B == 1 (packed sequences), got B={B}")
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 \
-                or cu_seqlens.is_floating_point() or cu_seqlens.numel() < 2:
-            raise ValueError("cu_seqlens must be a 1-D integer tensor [N + 1] of offsets, got "
-                             f"{cu_seqlens!r}")
-        offsets = cu_seqlens.tolist()
-        if offsets[0] != 0 or offsets[-1] != T:
-            raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {offsets}")
-        if any(b < a for a, b in zip(offsets, offsets[1:], strict=False)):
-            raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
-        N = len(offsets) - 1
+        N = len(check_cu_seqlens(cu_seqlens, B, T)) - 1
     else:
         N = B
     if initial_state is not None:
