@@ -1,0 +1,214 @@
+"""The step loop: scheduler decides, runner computes, sampler picks, outputs stream out.
+
+``Engine`` is synchronous (``add_request`` / ``step`` / ``generate``); ``AsyncEngine`` in
+:mod:`hyla.serve.async_engine` runs it on a background thread for the HTTP server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from hyla.model.model import HylaLM
+from hyla.serve.detokenizer import IncrementalText
+from hyla.serve.runner import Runner
+from hyla.serve.sampler import TokenLogprob, sample
+from hyla.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from hyla.serve.sequence import SamplingParams, Sequence
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """Engine capacity and behaviour.
+
+    ``num_kv_blocks`` defaults to enough blocks for ``max_num_seqs`` full-length sequences
+    (attention layers only); ``num_state_snapshots`` to ``max_num_seqs`` (GLA layers only).
+    ``compile``: run decode through ``torch.compile`` (``--eager`` turns it off).
+    """
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 1024
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    num_state_snapshots: int | None = None
+    snapshot_interval: int = 256
+    decode_widths: tuple[int, ...] | None = None
+    compile: bool = False
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request (a streaming delta)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+class Engine:
+    """Continuous-batching inference over one HylaLM.
+
+    Example:
+        >>> from hyla.model import HylaLM, preset
+        >>> from hyla.data.tokenizer import ByteTokenizer
+        >>> eng = Engine(HylaLM(preset("debug")).eval(), ByteTokenizer())
+        >>> seqs = eng.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=3, temperature=0))
+        >>> [len(s.output_ids) for s in seqs], eng.scheduler.pool.num_used
+        ([3, 3], 0)
+    """
+
+    def __init__(self, model: HylaLM, tokenizer, config: EngineConfig | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = c = config or EngineConfig()
+        cfg = model.cfg
+        has_attn = "A" in cfg.layers
+        has_gla = "G" in cfg.layers
+        blocks = c.num_kv_blocks
+        if blocks is None:
+            blocks = c.max_num_seqs * -(-c.max_model_len // c.block_size) if has_attn else 0
+        snaps = c.num_state_snapshots
+        if snaps is None:
+            snaps = c.max_num_seqs if has_gla and c.enable_prefix_caching else 0
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+            max_model_len=c.max_model_len, block_size=c.block_size,
+            num_kv_blocks=blocks if has_attn else 0, decode_widths=c.decode_widths,
+            enable_prefix_caching=c.enable_prefix_caching,
+            num_state_snapshots=snaps if has_gla else 0, snapshot_interval=c.snapshot_interval))
+        self.runner = Runner(model, max_num_seqs=c.max_num_seqs, num_kv_blocks=blocks,
+                             block_size=c.block_size,
+                             num_snapshots=snaps if has_gla else 0, compile=c.compile)
+        self.eos_token_id = getattr(tokenizer, "eos_id", None)
+        self._ids = itertools.count()
+        self._seqs: dict[str, Sequence] = {}
+        self._text: dict[str, IncrementalText] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
+                      "decode_steps": 0, "decode_time_s": 0.0, "prefill_time_s": 0.0}
+
+    # -- requests ----------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, arrival_time: float | None = None
+                    ) -> Sequence:
+        """Queue a request; raises ValueError (naming what is wrong) if it cannot run."""
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._seqs:
+            raise ValueError(f"request_id {rid!r} is already running")
+        vocab = self.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        seq = Sequence(rid, list(prompt_ids), params,
+                       arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
+                       eos_token_id=self.eos_token_id)
+        self.scheduler.add(seq)
+        self._seqs[rid] = seq
+        self._text[rid] = IncrementalText(self.tokenizer, params.stop)
+        if params.seed is not None and not params.greedy:
+            g = torch.Generator(device=self.runner.device)
+            self._generators[rid] = g.manual_seed(params.seed)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its slot and blocks; False if it is unknown/finished."""
+        seq = self.scheduler.abort(request_id)
+        self._forget(request_id)
+        return seq is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ----------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Schedule, compute and sample once; the new tokens of every request touched."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        self.stats["steps"] += 1
+        logits, seqs = self._execute(out)
+        params = [s.params for s in seqs]
+        gens = [self._generators.get(s.request_id) for s in seqs]
+        tokens, logps = sample(logits, params, gens) if seqs else ([], [])
+        sampled = {s.request_id: t for s, t in zip(seqs, tokens, strict=True)}
+        finished = set(id(s) for s in self.scheduler.update(out, sampled))
+        self.runner.copy_snapshots(out.snapshot_saves, save=True)
+        now = time.perf_counter()
+        results = []
+        for seq, token, lp in zip(seqs, tokens, logps, strict=True):
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            results.append(self._emit(seq, token, lp, id(seq) in finished))
+        self.stats["generation_tokens"] += len(seqs)
+        return results
+
+    def _execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
+        r = self.runner
+        for seq in out.loads:
+            r.load(seq.slot, seq.external_state, seq.block_table)
+            seq.external_state = None
+        r.copy_snapshots(out.restores, save=False)
+        parts, seqs = [], []
+        if out.decodes:
+            t0 = time.perf_counter()
+            d = out.decodes
+            parts.append(r.decode([s.slot for s in d],
+                                  [s.token_at(s.num_computed_tokens) for s in d],
+                                  [s.num_computed_tokens for s in d],
+                                  [s.block_table for s in d], out.decode_width))
+            seqs += d
+            self.stats["decode_steps"] += 1
+            self.stats["decode_time_s"] += time.perf_counter() - t0
+        if out.prefills:
+            t0 = time.perf_counter()
+            for c in out.prefills:
+                if c.start == 0:
+                    r.reset_slot(c.seq.slot)
+            chunks = [(c.seq.slot, c.seq.all_token_ids[c.start:c.end], c.start,
+                       c.seq.block_table) for c in out.prefills]
+            logits = r.prefill(chunks)
+            keep = [i for i, c in enumerate(out.prefills) if c.samples]
+            parts.append(logits[keep])
+            seqs += [out.prefills[i].seq for i in keep]
+            self.stats["prompt_tokens"] += sum(c.num_tokens for c in out.prefills)
+            self.stats["prefill_time_s"] += time.perf_counter() - t0
+        return torch.cat(parts) if parts else torch.empty(0), seqs
+
+    def _emit(self, seq: Sequence, token: int, lp: TokenLogprob | None,
+              finished: bool) -> StepOutput:
+        text = self._text[seq.request_id]
+        stop_token = finished and seq.finish_reason == "stop"   # EOS / stop id: no text
+        delta = text.add(seq.output_ids, hide_last=stop_token)
+        if not finished and text.stopped:
+            self.scheduler.finish(seq, "stop")
+            finished = True
+        if finished:
+            delta += text.flush()
+            self._forget(seq.request_id)
+        return StepOutput(seq.request_id, [token], delta, finished, seq.finish_reason,
+                          [lp] if lp is not None else [], seq.num_prompt_tokens,
+                          len(seq.output_ids))
+
+    def _forget(self, request_id: str) -> None:
+        self._seqs.pop(request_id, None)
+        self._text.pop(request_id, None)
+        self._generators.pop(request_id, None)
+
+    # -- offline -----------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[Sequence]:
+        """Run ``prompts`` to completion together; returns their Sequences in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        while self.has_unfinished():
+            self.step()
+        return seqs

@@ -1,0 +1,129 @@
+"""The engine against HylaLM's own greedy loop, under chunking, caching and preemption."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from hyla.data.tokenizer import ByteTokenizer
+from hyla.model import HylaLM, preset
+from hyla.model.generate import generate
+from hyla.serve.engine import Engine, EngineConfig
+from hyla.serve.sequence import SamplingParams
+
+
+def _model(layers="GGGA", seed=0):
+    torch.manual_seed(seed)
+    return HylaLM(dataclasses.replace(preset("debug"), layers=layers)).eval()
+
+
+def _prompts(n, seed=1, lo=1, hi=90):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(0, 256, (t,), generator=g).tolist() for t in lens]
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("layers", ["GGGA", "GGGG", "AA"])
+@pytest.mark.parametrize("cfg", [
+    dict(),                                                    # one prefill per prompt
+    dict(max_num_batched_tokens=24, snapshot_interval=16),     # chunked, mixed steps
+    dict(max_num_seqs=3),                                      # queueing
+    dict(num_kv_blocks=12, max_num_batched_tokens=64),         # preemption (attention)
+], ids=["plain", "chunked", "queued", "preempt"])
+def test_greedy_matches_model_loop(layers, cfg):
+    model = _model(layers)
+    prompts = _prompts(7)
+    want = [generate(model, p, 12, temperature=0) for p in prompts]
+    if "A" not in layers:
+        cfg = {k: v for k, v in cfg.items() if k != "num_kv_blocks"}
+    eng = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=128, **cfg))
+    seqs = eng.generate(prompts, GREEDY)
+    assert [s.output_ids for s in seqs] == want
+    assert eng.scheduler.pool.num_used == 0
+    if eng.scheduler.blocks is not None:
+        assert all(r == 0 for r in eng.scheduler.blocks.ref_count)
+    if cfg.get("num_kv_blocks"):
+        assert eng.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("layers", ["GGGA", "GGGG", "AA"])
+def test_prefix_cache_hit_gives_same_tokens(layers):
+    model = _model(layers)
+    shared = _prompts(1, seed=3, lo=70, hi=71)[0]
+    tails = _prompts(3, seed=4, lo=3, hi=9)
+    eng = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=128, snapshot_interval=32))
+    eng.generate([shared + tails[0]], GREEDY)
+    seqs = eng.generate([shared + t for t in tails[1:]], GREEDY)
+    assert all(s.num_cached_tokens == 64 for s in seqs)        # two 32-token boundaries
+    assert [s.output_ids for s in seqs] == [generate(model, shared + t, 12, temperature=0)
+                                            for t in tails[1:]]
+    assert eng.scheduler.prefix_cache.hit_rate > 0
+
+
+def test_sampling_seed_and_stops():
+    model = _model()
+    eng = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=128))
+    p = SamplingParams(max_tokens=20, temperature=1.0, top_k=20, top_p=0.9, seed=7,
+                       ignore_eos=True)
+    a, b = eng.generate([[1, 2, 3], [1, 2, 3]], p)
+    assert a.output_ids == b.output_ids                          # same seed, same tokens
+    stop_tok = a.output_ids[5]
+    c, = eng.generate([[1, 2, 3]], dataclasses.replace(p, stop_token_ids=(stop_tok,)))
+    assert c.finish_reason == "stop" and c.output_ids[-1] == stop_tok
+    assert len(c.output_ids) == a.output_ids.index(stop_tok) + 1
+
+
+def test_stop_string_cuts_text():
+    tok = ByteTokenizer()
+    model = _model()
+    eng = Engine(model, tok, EngineConfig(max_model_len=128))
+    free = eng.generate([[65, 66]], GREEDY)[0]
+    text = tok.decode(free.output_ids)
+    stop = text[4:6]
+    rid = eng.add_request([65, 66], dataclasses.replace(GREEDY, stop=(stop,))).request_id
+    outs = []
+    while eng.has_unfinished():
+        outs += [o for o in eng.step() if o.request_id == rid]
+    assert outs[-1].finished and outs[-1].finish_reason == "stop"
+    assert "".join(o.text for o in outs) == text[:text.find(stop)]
+
+
+def test_logprobs_are_log_softmax():
+    model = _model()
+    eng = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=128))
+    eng.add_request([5, 6, 7], SamplingParams(max_tokens=1, temperature=0, logprobs=3,
+                                              ignore_eos=True))
+    out, = eng.step()
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([[5, 6, 7]]))[0, -1].float(), -1)
+    lp = out.logprobs[0]
+    assert lp.token == int(want.argmax())
+    assert abs(lp.logprob - float(want.max())) < 1e-4
+    assert [t for t, _ in lp.top] == torch.topk(want, 3).indices.tolist()
+
+
+def test_abort_frees_slot_and_blocks():
+    eng = Engine(_model(), ByteTokenizer(), EngineConfig(max_model_len=128))
+    seqs = [eng.add_request(p, GREEDY) for p in _prompts(4)]
+    eng.step()
+    for s in seqs:
+        assert eng.abort(s.request_id)
+    assert not eng.has_unfinished() and eng.scheduler.pool.num_used == 0
+    assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_blocks
+
+
+def test_bad_requests_are_rejected():
+    eng = Engine(_model(), ByteTokenizer(), EngineConfig(max_model_len=64))
+    with pytest.raises(ValueError, match="context length"):
+        eng.add_request([1] * 60, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="at least one token"):
+        eng.add_request([], SamplingParams())
+    with pytest.raises(ValueError, match="token ids"):
+        eng.add_request([300], SamplingParams())
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
