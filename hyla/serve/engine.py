@@ -105,9 +105,7 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._seqs:
             raise ValueError(f"request_id {rid!r} is already running")
-        vocab = self.model.cfg.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        self.check_request(prompt_ids, params)
         seq = Sequence(rid, list(prompt_ids), params,
                        arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
                        eos_token_id=self.eos_token_id)
@@ -118,6 +116,15 @@ class Engine:
             g = torch.Generator(device=self.runner.device)
             self._generators[rid] = g.manual_seed(params.seed)
         return seq
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming what is wrong if the request could never run."""
+        if not prompt_ids:
+            raise ValueError("the prompt must hold at least one token")
+        vocab = self.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        self.scheduler.check(len(prompt_ids), params.max_tokens)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its slot and blocks; False if it is unknown/finished."""

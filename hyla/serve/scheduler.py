@@ -160,19 +160,22 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ValueError if a request of this size could never run."""
+        c = self.config
+        if num_prompt_tokens + max_tokens > c.max_model_len:
+            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) "
+                             f"exceeds the context length {c.max_model_len}")
+        if self.blocks is not None:
+            need = self.blocks.blocks_for(num_prompt_tokens + max_tokens)
+            if need > self.blocks.num_blocks:
+                raise ValueError(f"the request needs {need} KV blocks, the engine has "
+                                 f"{self.blocks.num_blocks}")
+
     def add(self, seq: Sequence) -> None:
         """Queue a sequence. One that arrives prefilled (``num_computed_tokens`` equal to its
         prompt, one output token, ``external_state`` set) goes straight to decoding."""
-        c = self.config
-        if seq.num_prompt_tokens + seq.params.max_tokens > c.max_model_len:
-            raise ValueError(f"request {seq.request_id}: prompt ({seq.num_prompt_tokens} "
-                             f"tokens) + max_tokens ({seq.params.max_tokens}) exceeds the "
-                             f"context length {c.max_model_len}")
-        if self.blocks is not None:
-            need = self.blocks.blocks_for(seq.num_prompt_tokens + seq.params.max_tokens)
-            if need > self.blocks.num_blocks:
-                raise ValueError(f"request {seq.request_id}: needs {need} KV blocks, the "
-                                 f"engine has {self.blocks.num_blocks}")
+        self.check(seq.num_prompt_tokens, seq.params.max_tokens)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
