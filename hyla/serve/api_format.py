@@ -1,0 +1,149 @@
+"""OpenAI wire format: the chat template, response bodies and server-sent-event chunks.
+
+A stream is a series of ``data: {json}\\n\\n`` events ending with ``data: [DONE]\\n\\n``.
+Completion chunks carry ``choices[0].text`` (the last one also ``finish_reason``); chat
+chunks carry ``choices[0].delta``: ``{"role": "assistant", "content": ""}`` first, then
+``{"content": ...}``, then ``{}`` with ``finish_reason``. With
+``stream_options.include_usage`` every chunk has ``"usage": null`` and one more chunk with
+no choices carries the usage.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from hyla.serve.engine import StepOutput
+
+# The built-in chat template: each message is "<|role|>\n{content}\n", and the prompt ends
+# with "<|assistant|>\n". Generation stops where the model starts a new turn.
+CHAT_STOP = ("<|user|>", "<|system|>", "<|assistant|>")
+
+
+def render_chat(tokenizer, messages: list[dict]) -> tuple[str, tuple[str, ...]]:
+    """The prompt text of ``messages`` (``[{"role", "content"}]``) and the stop strings the
+    template implies. A tokenizer with its own ``chat_template`` (and
+    ``apply_chat_template``, as transformers' have) uses it instead, with no extra stops.
+
+    Example:
+        >>> render_chat(None, [{"role": "user", "content": "Hi"}])[0]
+        '<|user|>\\nHi\\n<|assistant|>\\n'
+    """
+    if getattr(tokenizer, "chat_template", None) and hasattr(tokenizer, "apply_chat_template"):
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True), ()
+    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+    return text + "<|assistant|>\n", CHAT_STOP
+
+
+@dataclass
+class Result:
+    """One request's accumulated output."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+    def add(self, out: StepOutput) -> None:
+        self.text += out.text
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs
+        if out.finished:
+            self.finish_reason = out.finish_reason
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_output_tokens = out.num_output_tokens
+
+    def usage(self) -> dict:
+        p, c = self.num_prompt_tokens, self.num_output_tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+class Formatter:
+    """Builds the bodies and chunks of one request (``chat`` or completion)."""
+
+    def __init__(self, tokenizer, request_id: str, model: str, chat: bool,
+                 logprobs: int | None, include_usage: bool = False, text_offset: int = 0):
+        self.tok, self.id, self.model, self.chat = tokenizer, request_id, model, chat
+        self.logprobs, self.include_usage = logprobs, include_usage
+        self.created = int(time.time())
+        self.offset = text_offset        # completions' text_offset counts from here
+
+    def _token(self, t: int) -> str:
+        return self.tok.decode([t])
+
+    def format_logprobs(self, lps: list) -> dict | None:
+        if self.logprobs is None:
+            return None
+        if self.chat:
+            def entry(t: int, lp: float) -> dict:
+                s = self._token(t)
+                return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+            return {"content": [entry(x.token, x.logprob)
+                                | {"top_logprobs": [entry(t, v) for t, v in x.top]}
+                                for x in lps], "refusal": None}
+        tokens = [self._token(x.token) for x in lps]
+        offsets = []
+        for s in tokens:
+            offsets.append(self.offset)
+            self.offset += len(s)
+        return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
+                "top_logprobs": [{self._token(t): v for t, v in x.top} for x in lps],
+                "text_offset": offsets}
+
+    def _envelope(self, choices: list, chunk: bool) -> dict:
+        obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat \
+            else "text_completion"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+        if self.chat:
+            body["system_fingerprint"] = None
+        return body
+
+    def response(self, r: Result) -> dict:
+        """The non-streaming body."""
+        choice: dict = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": r.text}
+        else:
+            choice["text"] = r.text
+        choice["logprobs"] = self.format_logprobs(r.logprobs)
+        choice["finish_reason"] = r.finish_reason
+        return self._envelope([choice], chunk=False) | {"usage": r.usage()}
+
+    def _chunk(self, payload: dict, lps: list | None, finish: str | None) -> str:
+        choice = {"index": 0} | payload
+        choice["logprobs"] = self.format_logprobs(lps) if lps else None
+        choice["finish_reason"] = finish
+        return self._event(self._envelope([choice], chunk=True))
+
+    def _event(self, body: dict) -> str:
+        if self.include_usage:
+            body.setdefault("usage", None)
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    async def stream(self, first: StepOutput, rest: AsyncIterator[StepOutput]
+                     ) -> AsyncIterator[str]:
+        """SSE events for ``first`` and the outputs after it, then usage and ``[DONE]``."""
+        r = Result()
+        if self.chat:
+            yield self._chunk({"delta": {"role": "assistant", "content": ""}}, None, None)
+        out: StepOutput | None = first
+        while out is not None:
+            r.add(out)
+            finish = out.finish_reason if out.finished else None
+            if self.chat:
+                if out.text or (out.logprobs and self.logprobs is not None):
+                    yield self._chunk({"delta": {"content": out.text}}, out.logprobs, None)
+                if finish:
+                    yield self._chunk({"delta": {}}, None, finish)
+            elif out.text or finish or (out.logprobs and self.logprobs is not None):
+                yield self._chunk({"text": out.text}, out.logprobs, finish)
+            out = None if out.finished else await anext(rest, None)
+        if self.include_usage:
+            yield self._event(self._envelope([], chunk=True) | {"usage": r.usage()})
+        yield "data: [DONE]\n\n"

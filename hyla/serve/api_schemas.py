@@ -1,0 +1,149 @@
+"""Request bodies of the OpenAI-compatible API (pydantic, strict types) and error bodies.
+
+Types are strict, as OpenAI's are: ``"max_tokens": "5"`` is a 400, not a 5. Fields OpenAI
+defines that hyla does not implement are accepted only at their neutral value (``n`` 1,
+penalties 0, no ``logit_bias``, no ``suffix``, ``echo`` false) and are a 400 otherwise;
+unknown fields are ignored. ``top_k``, ``ignore_eos`` and ``stop_token_ids`` are
+extensions (vLLM's names); the ``openai`` client sends them through ``extra_body``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class APIError(Exception):
+    """An error the API returns as ``{"error": {...}}`` with HTTP ``status``.
+
+    Example:
+        >>> APIError("bad n", param="n").body()["error"]["type"]
+        'invalid_request_error'
+    """
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.type = message, status, param, type
+        self.code, self.headers = code, headers
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """Fields common to completions and chat."""
+
+    model: str | None = None          # None: the one model served
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def check_unsupported(self) -> None:
+        """Raise APIError for a field hyla accepts only at its neutral value."""
+        if self.n != 1:
+            raise APIError(f"n must be 1 (one choice per request), got {self.n}", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                raise APIError(f"{name} is not supported (must be 0)", param=name)
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed when stream is true",
+                           param="stream_options")
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``. ``prompt``: text, token ids, or a one-element list of
+    either (a longer list is a batch: 400)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.echo:
+            raise APIError("echo is not supported", param="echo")
+        if self.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        if self.best_of not in (None, 1):
+            raise APIError(f"best_of must be 1, got {self.best_of}", param="best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 5:
+            raise APIError(f"logprobs must be between 0 and 5, got {self.logprobs}",
+                           param="logprobs")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``. ``max_tokens`` (or ``max_completion_tokens``)
+    defaults to the rest of the context."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+            if not 0 <= self.top_logprobs <= 20:
+                raise APIError(f"top_logprobs must be between 0 and 20, got "
+                               f"{self.top_logprobs}", param="top_logprobs")
