@@ -3,7 +3,8 @@
 Commands here: ``memory`` (state vs KV cache), ``generate`` (sample text), ``quickstart``
 (state accounting, a short training run, a sample), ``info`` (versions, device, matmul peak).
 Groups in their own modules: ``train``/``plot``/``tokenizer`` (:mod:`hyla.cli_train`),
-``eval recall|needle|ppl`` (:mod:`hyla.cli_eval`), ``bench`` (:mod:`hyla.cli_bench`).
+``eval recall|needle|ppl`` (:mod:`hyla.cli_eval`), ``bench`` (:mod:`hyla.cli_bench`),
+``serve`` (:mod:`hyla.cli_serve`).
 
 Example:
     $ hyla memory --preset laplace-3b --context 8K --budget-gib 80
@@ -176,6 +177,46 @@ def cmd_generate(args: argparse.Namespace, out: Console) -> int:
     return 0
 
 
+def train_quickstart(out: Console, *, preset: str = "small", steps: int = 120,
+                     out_dir: str = "runs/quickstart") -> str:
+    """Train the quickstart model (a BPE tokenizer, then ``steps`` AdamW steps on the Python
+    standard library's source) into ``out_dir``; returns ``out_dir``. ``hyla quickstart``
+    and ``hyla serve`` (with no checkpoint) both call it."""
+    from hyla.train.config import TrainConfig
+    from hyla.train.trainer import Trainer
+
+    # AdamW here: at a CPU-sized batch Muon's Newton-Schulz costs more than the model itself.
+    cfg = TrainConfig(preset=preset, steps=steps, seq_len=256, batch_size=4,
+                      optimizer="adamw", lr=3e-3, warmup_steps=min(5, steps),
+                      save_every=steps, eval_batches=4, out=out_dir)
+    out.print(f"Training [bold]{cfg.preset}[/] for {cfg.steps} steps of "
+              f"{cfg.tokens_per_step:,} tokens on the Python standard library's source "
+              f"(a byte-level BPE of {cfg.vocab_size:,} tokens is trained first):")
+    record = Trainer(cfg).fit()
+    out.print(f"validation loss [bold]{record['val_loss']:.3f}[/] nats/token after "
+              f"{record['tokens']:,} tokens; checkpoint in {cfg.out} "
+              f"(hyla generate --checkpoint {cfg.out} --prompt ...)")
+    return cfg.out
+
+
+def serve_hint(checkpoint: str, name: str, port: int = 8000) -> str:
+    """What to run to serve ``checkpoint`` and query it with curl and the openai client.
+
+    Example:
+        >>> "hyla serve --checkpoint runs/q" in serve_hint("runs/q", "q")
+        True
+    """
+    base = f"http://127.0.0.1:{port}/v1"
+    body = json.dumps({"model": name, "prompt": "def fibonacci(n):", "max_tokens": 32})
+    return (f"Serve it (OpenAI-compatible API on 127.0.0.1:{port}):\n"
+            f"  hyla serve --checkpoint {checkpoint}\n"
+            f"Then, from another shell:\n"
+            f"  curl {base}/completions -H 'Content-Type: application/json' -d '{body}'\n"
+            f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base}', "
+            f"api_key='none'); print(c.completions.create(model='{name}', "
+            f"prompt='def fibonacci(n):', max_tokens=32).choices[0].text)\"")
+
+
 def cmd_quickstart(args: argparse.Namespace, out: Console) -> int:
     from hyla.eval.memory import memory_report
 
@@ -192,26 +233,18 @@ def cmd_quickstart(args: argparse.Namespace, out: Console) -> int:
     if line:
         out.print(line)
     from hyla.model.checkpoint import load_checkpoint
-    from hyla.train.config import TrainConfig
-    from hyla.train.trainer import Trainer
 
-    # AdamW here: at a CPU-sized batch Muon's Newton-Schulz costs more than the model itself.
-    cfg = TrainConfig(preset=args.preset, steps=args.steps, seq_len=256, batch_size=4,
-                      optimizer="adamw", lr=3e-3, warmup_steps=min(5, args.steps),
-                      save_every=args.steps, eval_batches=4, out=args.out)
-    out.print(f"Training [bold]{cfg.preset}[/] for {cfg.steps} steps of "
-              f"{cfg.tokens_per_step:,} tokens on the Python standard library's source "
-              f"(a byte-level BPE of {cfg.vocab_size:,} tokens is trained first):")
-    record = Trainer(cfg).fit()
-    out.print(f"validation loss [bold]{record['val_loss']:.3f}[/] nats/token after "
-              f"{record['tokens']:,} tokens; checkpoint in {cfg.out} "
-              f"(hyla generate --checkpoint {cfg.out} --prompt ...)")
-    model, tok = load_checkpoint(cfg.out)
+    ckpt = train_quickstart(out, preset=args.preset, steps=args.steps, out_dir=args.out)
+    model, tok = load_checkpoint(ckpt)
     prompt = "def fibonacci(n):\n    "
     with _threads(args.threads):
         text = _generate_text(model, tok, prompt, args)
     out.print("A sampled completion of a Python prompt:")
     out.print(prompt + text, markup=False, highlight=False)
+    import pathlib
+
+    out.print(serve_hint(ckpt, pathlib.Path(ckpt).resolve().name), markup=False,
+              highlight=False, soft_wrap=True)     # no wrapping: the lines are to copy
     return 0
 
 
@@ -300,11 +333,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Command groups with their own modules (imported here: they import from this one).
     from hyla.cli_bench import add_bench_commands
+    from hyla.cli_disagg import add_disagg_commands
+    from hyla.cli_distill import add_distill_commands
     from hyla.cli_eval import add_eval_commands
+    from hyla.cli_serve import add_serve_commands
     from hyla.cli_train import add_train_commands
 
     add_bench_commands(sub)
+    add_disagg_commands(sub)
+    add_distill_commands(sub)
     add_eval_commands(sub)
+    add_serve_commands(sub)
     add_train_commands(sub)
     return parser
 

@@ -70,6 +70,8 @@ def test_quickstart(capsys, tmp_path):
     assert "parameters" in out and "29.5 MB" in out and "validation loss" in out
     assert "def fibonacci(n):" in out
     assert (tmp_path / "run" / "ckpt-000002" / "model.safetensors").is_file()
+    assert f"hyla serve --checkpoint {tmp_path / 'run'}" in out
+    assert "curl http://127.0.0.1:8000/v1/completions" in out and "from openai import" in out
     assert torch.get_num_threads() == threads  # restored
 
 
@@ -127,3 +129,55 @@ def test_eval_ppl_and_needle_on_a_checkpoint(tmp_path, capsys):
     assert [r["depth"] for r in records] == [0.0, 1.0]
     assert (tmp_path / "n" / "needle.png").is_file()
     assert main(["eval", "needle", "--checkpoint", str(tmp_path / "nope")]) == 2
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["serve", "--preset", "debug", "--checkpoint", "x"], "not allowed with"),
+    (["serve", "--preset", "debug", "--compile", "--eager"], "not allowed with"),
+    (["serve", "--preset", "debug", "--max-num-seqs", "0"], "positive"),
+    (["serve", "--preset", "debug", "--port", "70000"], "port"),
+    (["serve", "--checkpoint", "/nonexistent/ckpt"], "not a directory"),
+], ids=["two-sources", "compile-eager", "seqs", "port", "checkpoint"])
+def test_serve_bad_args(capsys, argv, needle):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and needle in err and "Traceback" not in err + out
+
+
+def test_serve_loads_a_checkpoint(tmp_path):
+    import argparse
+
+    from rich.console import Console
+
+    from hyla.cli_serve import load_model
+    from hyla.model import HylaLM, preset
+    from hyla.model.checkpoint import save_checkpoint
+
+    save_checkpoint(HylaLM(preset("debug")), tmp_path / "mine")
+    args = argparse.Namespace(checkpoint=str(tmp_path / "mine"), preset=None, device="cpu")
+    model, tok, name = load_model(args, Console(quiet=True))
+    assert name == "mine" and tok.decode(tok.encode("hi")) == "hi"
+
+
+def test_serve_trains_the_quickstart_model_when_missing(tmp_path, monkeypatch):
+    import argparse
+
+    from rich.console import Console
+
+    import hyla.cli
+    from hyla.cli_serve import QUICKSTART_DIR, load_model
+    from hyla.model import HylaLM, preset
+    from hyla.model.checkpoint import save_checkpoint
+
+    calls = []
+
+    def fake_train(out, **kw):  # the real one takes minutes: same contract, a debug model
+        calls.append(kw)
+        save_checkpoint(HylaLM(preset("debug")), QUICKSTART_DIR)
+        return QUICKSTART_DIR
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hyla.cli, "train_quickstart", fake_train)
+    args = argparse.Namespace(checkpoint=None, preset=None, device="cpu")
+    assert load_model(args, Console(quiet=True))[2] == "quickstart" and len(calls) == 1
+    load_model(args, Console(quiet=True))          # there now: not trained again
+    assert len(calls) == 1

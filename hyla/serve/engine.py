@@ -67,7 +67,11 @@ class Engine:
         ([3, 3], 0)
     """
 
-    def __init__(self, model: HylaLM, tokenizer, config: EngineConfig | None = None):
+    def __init__(self, model: HylaLM, tokenizer=None, config: EngineConfig | None = None):
+        """``tokenizer`` None: a token-only engine (no text, no stop strings)."""
+        if tokenizer is not None and tokenizer.vocab_size > model.cfg.vocab_size:
+            raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the "
+                             f"model's vocabulary ({model.cfg.vocab_size})")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = c = config or EngineConfig()
@@ -111,7 +115,10 @@ class Engine:
                        eos_token_id=self.eos_token_id)
         self.scheduler.add(seq)
         self._seqs[rid] = seq
-        self._text[rid] = IncrementalText(self.tokenizer, params.stop)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (this engine is token-only)")
+        if self.tokenizer is not None:
+            self._text[rid] = IncrementalText(self.tokenizer, params.stop)
         if params.seed is not None and not params.greedy:
             g = torch.Generator(device=self.runner.device)
             self._generators[rid] = g.manual_seed(params.seed)
@@ -192,14 +199,15 @@ class Engine:
 
     def _emit(self, seq: Sequence, token: int, lp: TokenLogprob | None,
               finished: bool) -> StepOutput:
-        text = self._text[seq.request_id]
+        text = self._text.get(seq.request_id)
         stop_token = finished and seq.finish_reason == "stop"   # EOS / stop id: no text
-        delta = text.add(seq.output_ids, hide_last=stop_token)
-        if not finished and text.stopped:
+        delta = text.add(seq.output_ids, hide_last=stop_token) if text is not None else ""
+        if not finished and text is not None and text.stopped:
             self.scheduler.finish(seq, "stop")
             finished = True
-        if finished:
+        if finished and text is not None:
             delta += text.flush()
+        if finished:
             self._forget(seq.request_id)
         return StepOutput(seq.request_id, [token], delta, finished, seq.finish_reason,
                           [lp] if lp is not None else [], seq.num_prompt_tokens,

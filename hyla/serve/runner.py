@@ -13,12 +13,15 @@ built.
 
 from __future__ import annotations
 
+import time
+
 import torch
+import torch.nn.functional as F
 
 from hyla.model.model import HylaLM
 from hyla.model.state import SequenceState
 from hyla.ops.attention import attention, attention_with_cache
-from hyla.ops.gla import chunk_gla
+from hyla.ops.gla import chunk_gla, gla_decode_step
 
 
 def _pow2(n: int) -> int:
@@ -70,8 +73,8 @@ class Runner:
             _dynamo.config.recompile_limit = 1024
             _dynamo.config.accumulated_recompile_limit = 4096
             self._decode_fn = torch.compile(self._decode_impl, dynamic=False)
-        self.num_compilations = 0
-        self._graphs: set[tuple[int, int]] = set()
+        self.num_compilations = 0      # graphs torch.compile built for decode
+        self.compile_time_s = 0.0      # wall time of the decode calls that compiled
 
     # -- state movement ----------------------------------------------------------------
     def reset_slot(self, slot: int) -> None:
@@ -183,17 +186,25 @@ class Runner:
         pad = width - B
         nb = _pow2(max((len(t) for t in block_tables), default=0)) if self.attn_layers else 0
         tables = torch.full((width, nb), self.pad_block, dtype=torch.long)
-        for b, t in enumerate(block_tables):
+        for b, t in enumerate(block_tables if nb else ()):
             tables[b, :len(t)] = torch.tensor(t, dtype=torch.long)
         dev = self.device
         args = (torch.tensor(list(tokens) + [0] * pad, device=dev),
                 torch.tensor(list(slots) + [self.pad_slot] * pad, device=dev),
                 torch.tensor(list(positions) + [0] * pad, device=dev),
                 tables.to(dev))
-        if self.compiled and (width, nb) not in self._graphs:
-            self._graphs.add((width, nb))
-            self.num_compilations += 1
-        return self._decode_fn(*args)[:B]
+        if not self.compiled:
+            return self._decode_fn(*args)[:B]
+        from torch._dynamo.utils import counters
+
+        before = counters["stats"]["unique_graphs"]
+        t0 = time.perf_counter()
+        logits = self._decode_fn(*args)[:B]
+        built = counters["stats"]["unique_graphs"] - before
+        if built:
+            self.num_compilations += built
+            self.compile_time_s += time.perf_counter() - t0
+        return logits
 
     def _decode_impl(self, tokens, slots, positions, tables):
         m = self.model
@@ -201,8 +212,12 @@ class Runner:
         for i, block in enumerate(m.blocks):
             h = block.mixer_norm(x)
             if block.kind == "gla":
-                y, new = block.mixer.decode(h, self.states[i][slots])
-                self.states[i].index_copy_(0, slots, new)
+                layer = block.mixer
+                q, k, v, gk = layer._qkvg(h)
+                state = self.states[i][slots]                     # gathered copy
+                o = gla_decode_step(q, k, v, gk, state)
+                self.states[i].index_copy_(0, slots, state)
+                y = layer._out(h, o)
             else:
                 y = self._decode_attention(i, block.mixer, h, positions, tables)
             x = x + y
@@ -219,8 +234,12 @@ class Runner:
         self.v_cache[i][blocks, positions % bs] = v[:, 0].to(self.dtype)
         keys = self.k_cache[i][tables].flatten(1, 2).to(q.dtype)       # [W, nb * bs, Hkv, D]
         values = self.v_cache[i][tables].flatten(1, 2).to(q.dtype)
-        o = attention_with_cache(q, keys, values, positions + 1)
-        return layer._out(o)
+        # Inline masked SDPA: attention_with_cache's range checks would break the graph.
+        mask = torch.arange(keys.shape[1], device=h.device)[None, :] <= positions[:, None]
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
+                                           values.transpose(1, 2), attn_mask=mask[:, None, None],
+                                           enable_gqa=keys.shape[2] != q.shape[2])
+        return layer._out(o.transpose(1, 2))
 
     # -- paged addressing --------------------------------------------------------------
     def _where(self, table: list[int], pos: torch.Tensor):

@@ -127,3 +127,19 @@ def test_bad_requests_are_rejected():
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+def test_compiled_decode_one_graph_per_width_and_same_tokens():
+    model = _model("GGGG")
+    prompts = _prompts(5, seed=9, lo=2, hi=20)
+    want = [generate(model, p, 6, temperature=0) for p in prompts]
+    eng = Engine(model, None, EngineConfig(max_num_seqs=4, max_model_len=64, compile=True,
+                                           decode_widths=(4,)))
+    seqs = []
+    for p in prompts:                   # staggered: batches of 1 .. 4 all pad to width 4
+        seqs.append(eng.add_request(p, dataclasses.replace(GREEDY, max_tokens=6)))
+        eng.step()
+    while eng.has_unfinished():
+        eng.step()
+    assert [s.output_ids for s in seqs] == want
+    assert eng.runner.num_compilations == 1

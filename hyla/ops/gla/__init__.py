@@ -7,6 +7,6 @@
 
 from hyla.ops.gla.chunk import chunk_gla
 from hyla.ops.gla.naive import naive_recurrent_gla
-from hyla.ops.gla.recurrent import recurrent_gla
+from hyla.ops.gla.recurrent import gla_decode_step, recurrent_gla
 
-__all__ = ["chunk_gla", "naive_recurrent_gla", "recurrent_gla"]
+__all__ = ["chunk_gla", "gla_decode_step", "naive_recurrent_gla", "recurrent_gla"]

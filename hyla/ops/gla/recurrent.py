@@ -80,3 +80,23 @@ def _step_batch(q, k, v, g, scale, state, in_place):
         outs.append(torch.einsum("nhk,nhkv->nhv", q[:, t].float() * scale, state))
     o = torch.stack(outs, dim=1) if outs else state.new_zeros(*q.shape[:3], state.shape[-1])
     return o, state
+
+
+def gla_decode_step(q, k, v, g, state, scale=None):
+    """One token for N sequences, state [N, H, K, V] fp32 updated in place; no input checks.
+
+    The unchecked form of ``recurrent_gla`` for T == 1 that ``torch.compile`` traces as one
+    graph (the checks read tensor values, which would break the graph). q, k, g: [N, 1, H,
+    K]; v: [N, 1, H, V]. Returns o [N, 1, H, V] in q's dtype.
+
+    Example:
+        >>> q, k, v = torch.randn(3, 2, 1, 4, 8); g = -torch.rand(2, 1, 4, 8)
+        >>> s0 = torch.zeros(2, 4, 8, 8); s1 = s0.clone()
+        >>> o = gla_decode_step(q, k, v, g, s0)
+        >>> ref, _ = recurrent_gla(q, k, v, g, initial_state=s1, output_final_state=True)
+        >>> torch.allclose(o, ref), torch.equal(s0, s1)
+        (True, True)
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o, _ = _step_batch(q, k, v, g, scale, state, True)
+    return o.to(q.dtype)

@@ -1,0 +1,162 @@
+"""``hyla simulate`` (Prefill-as-a-Service simulator) and ``hyla kv-table``.
+
+Example:
+    $ hyla simulate --setup published --rate 2 --json out.json
+    $ hyla simulate --setup published                    # each deployment at its capacity
+    $ hyla simulate --trace ../shared/traces/azure_conv_2023.csv --length-scale 8 --rate 1.5
+    $ hyla kv-table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from hyla.cli import _Parser  # noqa: F401  (sub-parsers use the shared parser class)
+
+
+def _positive_float(value: str) -> float:
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
+    return v
+
+
+def add_disagg_commands(sub) -> None:
+    """Register ``simulate`` and ``kv-table`` on the ``hyla`` sub-parser set."""
+    p = sub.add_parser("simulate", help="simulate homogeneous PD, naive heterogeneous and "
+                       "Prefill-as-a-Service deployments (SimPy)")
+    p.add_argument("--setup", default="published", choices=("published",),
+                   help="hardware and model of the published case study (default)")
+    p.add_argument("--trace", default=None, help="request trace CSV (replaces the workload)")
+    p.add_argument("--length-scale", type=_positive_float, default=1.0,
+                   help="multiply the trace's prompt lengths (say so in reports)")
+    p.add_argument("--output-scale", type=_positive_float, default=1.0,
+                   help="multiply the trace's output lengths")
+    p.add_argument("--rate", type=_positive_float, default=None,
+                   help="requests/s; default: search each deployment's capacity under the SLOs")
+    p.add_argument("--arrivals", default=None, choices=("trace", "poisson", "gamma"),
+                   help="arrival process (default: trace timestamps if any, else poisson)")
+    p.add_argument("--cv", type=_positive_float, default=2.0, help="gamma arrivals' CV")
+    p.add_argument("--requests", type=int, default=300, help="requests simulated (default 300)")
+    p.add_argument("--deployments", default="homogeneous,naive,prfaas")
+    p.add_argument("--threshold", type=int, default=19_400, help="PrfaaS initial t (tokens)")
+    p.add_argument("--static-threshold", action="store_true", help="do not adapt t")
+    p.add_argument("--homo-prefill", type=int, default=11,
+                   help="prefill instances of the 12 in homogeneous PD (default: grid's best)")
+    p.add_argument("--prfaas-prefill", type=int, default=3,
+                   help="local prefill instances of the 8 in PrfaaS (default: grid's best)")
+    p.add_argument("--link-gbps", type=_positive_float, default=100.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("kv-table", help="Gbps of state/KV a prefill instance emits at 32K "
+                       "tokens: dense vs 3:1 vs 7:1 hybrids")
+    p.add_argument("--tokens", type=int, default=32_768)
+    p.add_argument("--json", default=None, metavar="OUT")
+    p.set_defaults(func=cmd_kv_table)
+
+
+def run_simulate(args: argparse.Namespace, progress=None) -> dict:
+    from hyla.disagg.sim import SimConfig
+    from hyla.disagg.sim_hardware import published_1t_hybrid
+    from hyla.disagg.sim_setups import (
+        PUBLISHED_INPUTS,
+        compare,
+        published_deployments,
+        with_rate_range,
+        workload_maker,
+    )
+
+    names = [n.strip() for n in args.deployments.split(",") if n.strip()]
+    deps = published_deployments(homo_prefill=args.homo_prefill,
+                                 prfaas_prefill=args.prfaas_prefill,
+                                 threshold=args.threshold, adapt=not args.static_threshold)
+    bad = [n for n in names if n not in deps]
+    if bad or not names:
+        raise ValueError(f"--deployments must be a comma list of {sorted(deps)}, got "
+                         f"{args.deployments!r}")
+    if args.requests < 10:
+        raise ValueError(f"--requests must be >= 10, got {args.requests}")
+    if args.threshold < 1:
+        raise ValueError(f"--threshold must be >= 1 token, got {args.threshold}")
+    if args.trace is not None and not pathlib.Path(args.trace).is_file():
+        raise ValueError(f"--trace {args.trace} does not exist")
+    arrivals = args.arrivals or ("trace" if args.trace else "poisson")
+    make = workload_maker(trace=args.trace, length_scale=args.length_scale,
+                          output_scale=args.output_scale, arrivals=arrivals, cv=args.cv,
+                          num_requests=args.requests, seed=args.seed)
+    model = published_1t_hybrid()
+    deps = {n: deps[n] for n in names}
+    cfg = SimConfig(link_gbps=args.link_gbps)
+    res = compare(model, deps, make, rate=args.rate, cfg=cfg,
+                  rate_range=with_rate_range(model, deps), progress=progress)
+    from hyla.disagg.sim_workload import describe
+
+    return {"setup": args.setup, "model": model.to_dict(),
+            "workload": {"trace": args.trace, "length_scale": args.length_scale,
+                         "output_scale": args.output_scale, "arrivals": arrivals,
+                         "synthetic": args.trace is None,
+                         **describe(make(args.rate or 1.0))},
+            "mode": "fixed rate" if args.rate else "capacity under SLOs",
+            "link_gbps": args.link_gbps, "inputs": PUBLISHED_INPUTS, **res}
+
+
+def results_table(res: dict, title: str) -> Table:
+    table = Table(title=title)
+    cols = ("deployment", "rate req/s", "throughput tok/s", "goodput req/s", "TTFT p50",
+            "TTFT p90", "TPOT p90", "egress Gbps", "offload", "t final")
+    for c in cols:
+        table.add_column(c, justify="right")
+    for name, m in res["deployments"].items():
+        t = m.get("threshold_final")
+        table.add_row(name, f"{m.get('capacity_req_s', m.get('rate_req_s')):.2f}",
+                      f"{m['throughput_tok_s']:,.0f}", f"{m['goodput_req_s']:.2f}",
+                      f"{m['ttft_p50_s']:.2f} s", f"{m['ttft_p90_s']:.2f} s",
+                      f"{m['tpot_p90_s'] * 1e3:.1f} ms", f"{m['egress_gbps']:.1f}",
+                      f"{m['offload_fraction']:.0%}", "-" if t is None else f"{t:,}")
+    return table
+
+
+def cmd_simulate(args: argparse.Namespace, out: Console) -> int:
+    res = run_simulate(args, progress=lambda n: out.print(f"[dim]simulating {n}...[/]"))
+    out.print(results_table(res, f"{res['setup']} setup, {res['mode']}"))
+    for k, v in res["ratios"].items():
+        out.print(f"{k.replace('_', ' ')}: [bold]{v:.2f}x[/] throughput")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+        out.print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_kv_table(args: argparse.Namespace, out: Console) -> int:
+    from hyla.disagg.kv_table import kv_table
+
+    if args.tokens < 1:
+        raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
+    rows = kv_table(args.tokens)
+    table = Table(title=f"State/KV a prefill instance emits at {args.tokens:,} tokens a prompt")
+    for c in ("model", "mix", "on", "MB/request", "prefill s", "KV Gbps", "KV+state Gbps",
+              "vs dense", "published Gbps"):
+        table.add_column(c, justify="right")
+    for r in rows:
+        pub = r["published_gbps"]
+        table.add_row(r["model"], r["mix"], r["instance"], f"{r['transfer_bytes'] / 1e6:,.0f}",
+                      f"{r['prefill_s']:.2f}", f"{r['kv_gbps']:.2f}", f"{r['total_gbps']:.2f}",
+                      f"{1 / r['reduction_vs_dense']:.2f}x" if r["reduction_vs_dense"] != 1
+                      else "1x", "-" if pub is None else str(pub))
+    out.print(table)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    else:
+        sys.stdout.flush()
+    return 0

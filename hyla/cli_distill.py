@@ -1,0 +1,89 @@
+"""``hyla distill`` and ``hyla export``: thin maps onto hyla.train.distill and hyla.model.hf.
+
+Example:
+    $ hyla export --format llama runs/teacher runs/teacher-hf
+    $ hyla distill --teacher runs/teacher-hf --layers GGGAGGGA --out runs/student
+    $ hyla distill --resume runs/student
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from rich.console import Console
+
+from hyla.train.config import OPTIMIZERS
+from hyla.train.distill_config import DistillConfig
+
+_NONE_DEFAULT_TYPES = {"student_kv_heads": int, "stage1_seq_len": int, "data": str}
+_HELP = {
+    "teacher": "a transformers directory (Llama, Mistral, Qwen2) or an all-attention hyla "
+               "checkpoint",
+    "layers": "the student's layer mix, one letter (G or A) per teacher layer",
+    "student_kv_heads": "KV heads of the student's A layers (must divide the teacher's)",
+    "stage1_steps": "attention-transfer steps (teacher frozen, layer by layer)",
+    "stage2_steps": "end-to-end steps (vocabulary KL + cross-entropy)",
+    "seq_len": "tokens a block in stage 2 (and validation)",
+    "stage1_seq_len": "tokens a block in stage 1 (default: --seq-len)",
+}
+
+
+def add_distill_commands(sub) -> None:
+    """Register ``distill`` and ``export`` on the ``hyla`` sub-parser set."""
+    p = sub.add_parser("distill", help="distil an attention teacher into a hybrid student")
+    defaults = DistillConfig()
+    for field in dataclasses.fields(DistillConfig):
+        if field.name == "precision":
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        default = getattr(defaults, field.name)
+        helptext = _HELP.get(field.name)
+        if isinstance(default, bool):
+            p.add_argument(flag, action="store_true", help=helptext)
+        elif field.name == "optimizer":
+            p.add_argument(flag, choices=OPTIMIZERS, default=default)
+        else:
+            kind = _NONE_DEFAULT_TYPES.get(field.name, type(default))
+            p.add_argument(flag, type=kind, default=default, help=helptext)
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue the distillation in DIR from its newest checkpoint")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_distill)
+
+    p = sub.add_parser("export", help="write an all-attention hyla checkpoint in a "
+                                      "transformers format")
+    p.add_argument("--format", default="llama", choices=["llama"])
+    p.add_argument("checkpoint", help="a hyla checkpoint or training run directory")
+    p.add_argument("out", help="output directory (loads with transformers)")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_distill(args: argparse.Namespace, out: Console) -> int:
+    from hyla.train.distill import Distiller
+
+    if args.resume:
+        distiller = Distiller(resume=args.resume)
+    else:
+        names = {f.name for f in dataclasses.fields(DistillConfig)}
+        cfg = DistillConfig(**{k: v for k, v in vars(args).items() if k in names})
+        distiller = Distiller(cfg)
+    cfg, student = distiller.cfg, distiller.model
+    out.print(f"distilling {cfg.teacher} ({distiller.teacher.num_parameters():,} parameters) "
+              f"into [bold]{student.cfg.layers}[/] ({student.num_parameters():,}, "
+              f"{student.cfg.n_kv_heads} KV heads) -> {distiller.out}; stage 1 trains layers "
+              f"{distiller.transfer or 'none'}")
+    record = distiller.fit(progress=not args.no_progress)
+    out.print(f"step {record['step']} (stage {record['stage']}): validation loss "
+              f"{record.get('val_loss', float('nan')):.3f}; checkpoint in {distiller.out}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace, out: Console) -> int:
+    from hyla.model.checkpoint import load_checkpoint
+    from hyla.model.hf import export_hf
+
+    model, tok = load_checkpoint(args.checkpoint)
+    target = export_hf(model, tok, args.out, fmt=args.format)
+    out.print(f"wrote {target} ({args.format}, {model.num_parameters():,} parameters)")
+    return 0

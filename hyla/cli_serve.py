@@ -1,0 +1,124 @@
+"""``hyla serve``: the OpenAI-compatible server (:mod:`hyla.serve.api`) under uvicorn.
+
+With neither ``--checkpoint`` nor ``--preset`` it serves the quickstart model
+(``runs/quickstart``), training it first (a few minutes on a CPU) if it is not there.
+Decode runs eagerly by default; ``--compile`` puts it through ``torch.compile`` (one graph
+per decode batch width: worth it on a GPU, minutes of compiling on a CPU).
+
+Example:
+    $ hyla serve --preset debug --port 8000
+    $ hyla serve --checkpoint runs/quickstart --api-key secret --max-num-seqs 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+
+from rich.console import Console
+
+from hyla.cli import positive
+
+QUICKSTART_DIR = "runs/quickstart"
+
+
+def add_serve_commands(sub) -> None:
+    """Register ``hyla serve`` on the ``hyla`` sub-parser set."""
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, "
+                                     "streaming, /metrics)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", default=None,
+                     help=f"a checkpoint or training run directory (default: {QUICKSTART_DIR},"
+                          " trained first if missing)")
+    src.add_argument("--preset", default=None,
+                     help="random weights of this preset with the byte tokenizer (testing)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", default=None,
+                   help="the name clients pass as `model` (default: the checkpoint folder's "
+                        "name, or hyla-<preset>)")
+    p.add_argument("--api-key", default=os.environ.get("HYLA_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: "
+                        "$HYLA_API_KEY, or no key)")
+    p.add_argument("--max-num-seqs", type=positive, default=16,
+                   help="sequences decoded together (state slots)")
+    p.add_argument("--max-model-len", type=positive, default=2048,
+                   help="prompt + completion tokens per request")
+    p.add_argument("--max-num-batched-tokens", type=positive, default=1024,
+                   help="tokens computed per engine step (prefill chunk budget)")
+    p.add_argument("--max-waiting", type=positive, default=256,
+                   help="queued requests before new ones get 429")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--compile", action="store_true",
+                      help="torch.compile the decode step (default: eager)")
+    mode.add_argument("--eager", action="store_true", help="eager decode (the default)")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
+    p.add_argument("--seed", type=int, default=0, help="weights seed for --preset")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+
+def load_model(args: argparse.Namespace, out: Console):
+    """(model, tokenizer, default model name) for the serve arguments."""
+    import torch
+
+    from hyla.cli import _random_model
+    from hyla.model.checkpoint import CONFIG, latest_checkpoint, load_checkpoint
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.preset is not None:
+        model, tok = _random_model(args.preset, args.seed)
+        out.print(f"[dim](preset {args.preset}: random weights, the text is noise)[/]")
+        return model.to(device), tok, f"hyla-{args.preset}"
+    path = args.checkpoint
+    if path is None:
+        path = QUICKSTART_DIR
+        if not (latest_checkpoint(pathlib.Path(path)) / CONFIG).is_file():
+            from hyla.cli import train_quickstart
+
+            out.print(f"No checkpoint in {path}: training the quickstart model first.")
+            train_quickstart(out)
+    model, tok = load_checkpoint(path, device=device)
+    return model, tok, pathlib.Path(path).resolve().name
+
+
+def cmd_serve(args: argparse.Namespace, out: Console) -> int:
+    import torch
+    import uvicorn
+
+    from hyla.serve.api import create_app
+    from hyla.serve.async_engine import AsyncEngine
+    from hyla.serve.engine import Engine, EngineConfig
+    from hyla.serve.sequence import SamplingParams
+
+    if not 0 < args.port < 65536:
+        raise ValueError(f"port must be in [1, 65535], got {args.port}")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    model, tok, name = load_model(args, out)
+    config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          enable_prefix_caching=not args.no_prefix_caching,
+                          compile=args.compile)
+    engine = Engine(model, tok, config)
+    # One tiny request before the first client's: first-call costs (allocator, kernels)
+    # don't land on its time to first token.
+    engine.generate([[0]], SamplingParams(max_tokens=2, temperature=0))
+    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
+    name = args.model_name or name
+    app = create_app(async_engine, model_name=name, api_key=args.api_key)
+    base = f"http://{args.host}:{args.port}"
+    out.print(f"Serving [bold]{name}[/] on {base}/v1 (max {args.max_num_seqs} sequences, "
+              f"context {args.max_model_len}, {'compiled' if args.compile else 'eager'} "
+              f"decode on {next(model.parameters()).device}); metrics at {base}/metrics")
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=3)
+    finally:
+        async_engine.shutdown()
+    return 0

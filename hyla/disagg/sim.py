@@ -1,0 +1,297 @@
+"""Discrete-event simulation (SimPy) of PD-disaggregated serving, with Prefill-as-a-Service.
+
+Each simulated instance (one model replica, e.g. 8 GPUs) runs a real
+:class:`hyla.serve.scheduler.Scheduler`, iteration by iteration: the scheduler picks the
+step's prefill chunks and decode batch, :func:`hyla.disagg.sim_hardware.step_time` prices
+them, and the sequences advance with dummy tokens (``ignore_eos``; ``max_tokens`` from the
+trace). Every instance is simulated: no instance stands for a group.
+
+Deployments (:class:`Deployment`), all prefill/decode disaggregated:
+
+- ``homogeneous``: one cluster, ``local_prefill`` of its instances prefill, the rest decode;
+  the state moves inside the cluster (RDMA, ``intra_gbps`` per transfer, no contention).
+- ``naive``: every prefill runs in the remote cluster; all states cross the link.
+- ``prfaas``: the :class:`hyla.disagg.router.PrfaasRouter` sends long incremental prefills
+  to the remote cluster and keeps the rest on the local prefill instances; it observes the
+  link and both queues every ``observe_s`` and moves its threshold.
+
+The inter-cluster link is one FIFO pipe of ``link_gbps`` plus ``link_latency_s``; a state
+is sent once its prefill ends (the published system pipelines layers; at these sizes a
+transfer takes tens of milliseconds either way). Prefix caches are per cluster: a session's
+next turn finds its previous context in the local cluster once that turn finished decoding,
+and its previous prompt in the cluster that prefilled it; linear-attention states only
+match exactly at those boundaries. Cache capacity is unbounded (an assumption).
+
+TTFT is measured up to the moment the decode instance holds the state (prefill, queueing
+and the transfer); TPOT is the mean time per later token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import simpy
+
+from hyla.disagg.router import LOCAL, REMOTE, PrfaasRouter, RouterConfig
+from hyla.disagg.sim_hardware import InstanceProfile, ModelSpec, step_time
+from hyla.disagg.sim_workload import Request
+from hyla.serve.scheduler import Scheduler, SchedulerConfig
+from hyla.serve.sequence import SamplingParams, Sequence
+
+KINDS = ("homogeneous", "naive", "prfaas")
+
+
+@dataclass(kw_only=True)
+class Deployment:
+    """Hardware and policy of one deployment. ``local_prefill``: local instances that
+    prefill (the rest decode). ``remote``: instances of the remote prefill cluster."""
+
+    name: str
+    kind: str
+    local: InstanceProfile
+    local_instances: int
+    local_prefill: int
+    remote: InstanceProfile | None = None
+    remote_instances: int = 0
+    threshold: int = 19_400
+    adapt: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"deployment kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind != "homogeneous" and (self.remote is None or self.remote_instances < 1):
+            raise ValueError(f"{self.kind} needs a remote prefill cluster")
+        n_dec = self.local_instances - self.local_prefill
+        need_local_prefill = self.kind == "homogeneous"
+        if n_dec < 1 or self.local_prefill < int(need_local_prefill):
+            raise ValueError(f"{self.name}: need >= 1 decode instance and "
+                             f"{'>= 1' if need_local_prefill else '>= 0'} prefill instances, "
+                             f"got {self.local_prefill} of {self.local_instances}")
+
+    def gpus(self) -> int:
+        return self.local.gpus * self.local_instances + (
+            self.remote.gpus * self.remote_instances if self.remote else 0)
+
+
+@dataclass(kw_only=True)
+class SimConfig:
+    link_gbps: float = 100.0
+    link_latency_s: float = 0.005
+    intra_gbps: float = 400.0
+    observe_s: float = 5.0
+    prefill_chunk: int = 16_384
+    max_num_seqs: int = 256
+    block_size: int = 256
+    ttft_base_s: float = 2.0        # SLO: TTFT <= base + incremental tokens / ttft_tok_s
+    ttft_tok_s: float = 2_000.0
+    tpot_slo_s: float = 0.1
+    router: RouterConfig | None = None
+
+
+class Instance:
+    """One replica: a Scheduler and the SimPy process that runs its engine steps."""
+
+    def __init__(self, sim: Sim, name: str, prof: InstanceProfile, role: str):
+        self.sim, self.name, self.prof, self.role = sim, name, prof, role
+        m, c = sim.model, sim.cfg
+        if role == "prefill":
+            cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=c.prefill_chunk,
+                                  max_model_len=1 << 22, enable_prefix_caching=False)
+        else:
+            free = prof.free_bytes(m) - c.max_num_seqs * m.state_bytes
+            if free <= 0:
+                raise ValueError(f"{name}: {c.max_num_seqs} sequences' states do not fit "
+                                 f"{prof.label()} beside the weights")
+            blocks = int(free // (c.block_size * m.kv_bytes_per_token)) \
+                if m.kv_bytes_per_token else 0
+            cfg = SchedulerConfig(max_num_seqs=c.max_num_seqs,
+                                  max_num_batched_tokens=c.max_num_seqs,
+                                  max_model_len=1 << 22, block_size=c.block_size,
+                                  num_kv_blocks=blocks, enable_prefix_caching=False)
+        self.sched = Scheduler(cfg)
+        self.queued_tokens = 0          # prefill tokens not yet computed
+        self.busy_s = 0.0
+        self.wake = sim.env.event()
+        sim.env.process(self.run())
+
+    def add(self, seq: Sequence) -> None:
+        if self.role == "prefill":
+            self.queued_tokens += seq.num_prompt_tokens - seq.num_computed_tokens
+        self.sched.add(seq)
+        if not self.wake.triggered:
+            self.wake.succeed()
+
+    def load(self) -> int:
+        return self.sched.num_running + self.sched.num_waiting
+
+    def run(self):
+        env, m = self.sim.env, self.sim.model
+        while True:
+            out = self.sched.schedule() if self.sched.has_unfinished() else None
+            if out is None or out.is_empty:
+                self.wake = env.event()
+                yield self.wake
+                continue
+            chunks = [(c.start, c.num_tokens) for c in out.prefills]
+            ctx = sum(s.num_tokens for s in out.decodes)
+            dt = step_time(self.prof, m, chunks, ctx, len(out.decodes))
+            yield env.timeout(dt)
+            self.busy_s += dt
+            self.queued_tokens -= sum(n for _, n in chunks)
+            sampled = dict.fromkeys((s.request_id for s in out.decodes), 0)
+            for c in out.prefills:
+                if c.samples:
+                    sampled[c.seq.request_id] = 0
+            for seq in self.sched.update(out, sampled):
+                self.sim.on_finished(self, seq)
+
+
+class Sim:
+    """One simulation run: ``Sim(model, deployment, cfg).run(requests) -> metrics dict``."""
+
+    def __init__(self, model: ModelSpec, dep: Deployment, cfg: SimConfig | None = None):
+        self.model, self.dep, self.cfg = model, dep, cfg or SimConfig()
+        self.env = simpy.Environment()
+        self.link = simpy.Resource(self.env, capacity=1)
+        n_dec = dep.local_instances - dep.local_prefill
+        self.local_p = [Instance(self, f"lp{i}", dep.local, "prefill")
+                        for i in range(dep.local_prefill)]
+        self.decode = [Instance(self, f"d{i}", dep.local, "decode") for i in range(n_dec)]
+        self.remote_p = [Instance(self, f"rp{i}", dep.remote, "prefill")
+                         for i in range(dep.remote_instances)] if dep.remote else []
+        rc = self.cfg.router or RouterConfig()
+        rc = dataclasses.replace(rc, threshold=dep.threshold, adapt=dep.adapt,
+                                 link_gbps=self.cfg.link_gbps,
+                                 t_min=min(rc.t_min, dep.threshold))
+        self.router = PrfaasRouter(rc)
+        self.reqs: dict[str, Request] = {}
+        self.rec: dict[str, dict] = {}
+        self.cache = {LOCAL: {}, REMOTE: {}}      # session -> cached prefix tokens
+        self.egress_bytes = 0.0
+        self._window_bytes = 0.0
+
+    # -- routing -------------------------------------------------------------------------
+    def _cached(self, r: Request) -> dict[str, int]:
+        if r.prefix_len == 0:
+            return {LOCAL: 0, REMOTE: 0}
+        return {k: min(v.get(r.session, 0), r.prefix_len) for k, v in self.cache.items()}
+
+    def _place(self, r: Request) -> tuple[str, int]:
+        """(cluster, cached tokens) for a request's prefill, per the deployment's policy."""
+        cached = self._cached(r)
+        kind = self.dep.kind
+        if kind == "homogeneous":
+            return LOCAL, cached[LOCAL]
+        if kind == "naive":
+            return REMOTE, cached[REMOTE]
+        d = self.router.route(r.prompt_len, cached, self.env.now)
+        if d.cache_transfer is not None:
+            self.egress_bytes += self.model.transfer_bytes(d.cache_transfer[2]) \
+                if d.cache_transfer[0] == REMOTE else 0.0
+        if d.target == LOCAL and not self.local_p:
+            # No local prefill instance: the deployment cannot keep it local.
+            return REMOTE, cached[REMOTE]
+        return d.target, d.cached_tokens
+
+    def arrive(self, r: Request):
+        yield self.env.timeout(max(0.0, r.arrival - self.env.now))
+        rid = str(r.rid)
+        self.reqs[rid] = r
+        cluster, cached = self._place(r)
+        cached = min(cached, r.prompt_len - 1)
+        self.rec[rid] = {"arrival": r.arrival, "cluster": cluster, "cached": cached,
+                         "incremental": r.prompt_len - cached}
+        pool = self.remote_p if cluster == REMOTE else self.local_p
+        inst = min(pool, key=lambda i: i.queued_tokens)
+        seq = Sequence(rid, _prompt(r.prompt_len), SamplingParams(max_tokens=1,
+                                                                  ignore_eos=True),
+                       arrival_time=self.env.now)
+        seq.num_computed_tokens = cached
+        inst.add(seq)
+
+    # -- completion ----------------------------------------------------------------------
+    def on_finished(self, inst: Instance, seq: Sequence) -> None:
+        rid, now = seq.request_id, self.env.now
+        r, rec = self.reqs[rid], self.rec[rid]
+        if inst.role == "prefill":
+            rec["prefill_done"] = now
+            cluster = REMOTE if inst in self.remote_p else LOCAL
+            self.cache[cluster][r.session] = r.prompt_len
+            self.env.process(self.ship(r, seq, cluster))
+        else:
+            self.cache[LOCAL][r.session] = r.prompt_len + r.output_len
+            self._finish(rid)
+
+    def ship(self, r: Request, seq: Sequence, cluster: str):
+        nbytes = self.model.transfer_bytes(r.prompt_len)
+        if cluster == REMOTE:
+            with self.link.request() as req:
+                yield req
+                yield self.env.timeout(nbytes * 8 / (self.cfg.link_gbps * 1e9))
+            self.egress_bytes += nbytes
+            self._window_bytes += nbytes
+            yield self.env.timeout(self.cfg.link_latency_s)
+        else:
+            yield self.env.timeout(nbytes * 8 / (self.cfg.intra_gbps * 1e9))
+        rid = str(r.rid)
+        self.rec[rid]["first_token"] = self.env.now
+        if r.output_len <= 1:
+            self._finish(rid)
+            return
+        dseq = Sequence(rid, seq.prompt_ids, SamplingParams(max_tokens=r.output_len,
+                                                            ignore_eos=True),
+                        arrival_time=r.arrival)
+        dseq.num_computed_tokens = r.prompt_len
+        dseq.output_ids.append(0)
+        dseq.external_state = True
+        min(self.decode, key=Instance.load).add(dseq)
+
+    def _finish(self, rid: str) -> None:
+        self.rec[rid]["done"] = self.env.now
+        self._n_left -= 1
+        if self._n_left == 0:
+            self._done.succeed()
+
+    # -- short-timescale control -----------------------------------------------------------
+    def _queue_s(self, pool: list[Instance]) -> float:
+        if not pool:
+            return 0.0
+        rate = sum(1.0 / step_time(i.prof, self.model, [(0, 8192)], 0) * 8192 for i in pool)
+        return sum(i.queued_tokens for i in pool) / rate
+
+    def observer(self):
+        c = self.cfg
+        while True:
+            yield self.env.timeout(c.observe_s)
+            gbps = self._window_bytes * 8 / c.observe_s / 1e9
+            self._window_bytes = 0.0
+            self.router.observe(self.env.now, egress_gbps=gbps,
+                                remote_queue_s=self._queue_s(self.remote_p),
+                                local_queue_s=self._queue_s(self.local_p))
+
+    def run(self, requests: list[Request], horizon_s: float | None = None) -> dict:
+        """Simulate ``requests`` to completion (or ``horizon_s``); returns the metrics."""
+        for r in requests:
+            self.env.process(self.arrive(r))
+        if self.dep.kind == "prfaas":
+            self.env.process(self.observer())
+        self._n_left = len(requests)
+        self._done = done = self.env.event()
+        self.env.run(until=done if horizon_s is None else simpy.AnyOf(
+            self.env, [done, self.env.timeout(horizon_s)]))
+        from hyla.disagg.sim_report import summarize
+        return summarize(self, requests)
+
+
+_PROMPTS: dict[int, list[int]] = {}
+
+
+def _prompt(n: int) -> list[int]:
+    """Dummy prompt ids (shared lists: the simulator never reads or mutates them)."""
+    p = _PROMPTS.get(n)
+    if p is None:
+        p = _PROMPTS[n] = [0] * n
+        if len(_PROMPTS) > 4096:
+            _PROMPTS.clear()
+    return p

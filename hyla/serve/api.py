@@ -1,0 +1,275 @@
+"""OpenAI-compatible HTTP API over an AsyncEngine (FastAPI).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent
+events with ``"stream": true``), ``GET /v1/models``, ``GET /health`` (status plus what the
+engine holds: running and waiting requests, state slots and KV blocks in use) and
+``GET /metrics`` (Prometheus). With an API key set, ``/v1/*`` needs
+``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay open.
+
+Every error is OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: bad input
+(malformed JSON and wrong types included: FastAPI's 422 becomes 400) is 400, a full queue
+429 with ``Retry-After``, a failed engine 503. A client that goes away (mid-stream or while
+waiting) has its request aborted, which frees its state slot and KV blocks.
+
+Example:
+    >>> from fastapi.testclient import TestClient
+    >>> from hyla.model import HylaLM, preset
+    >>> from hyla.data.tokenizer import ByteTokenizer
+    >>> from hyla.serve.engine import Engine
+    >>> eng = AsyncEngine(Engine(HylaLM(preset("debug")), ByteTokenizer()))
+    >>> r = TestClient(create_app(eng, model_name="debug")).post(
+    ...     "/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
+    >>> r.json()["usage"]; eng.shutdown()
+    {'prompt_tokens': 2, 'completion_tokens': 4, 'total_tokens': 6}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import re
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hyla.serve.api_format import Formatter, Result, render_chat
+from hyla.serve.api_schemas import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from hyla.serve.async_engine import AsyncEngine, QueueFull
+from hyla.serve.sequence import SamplingParams
+
+_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|literal\[.*\]|[A-Z]\w*)$")
+_PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "logprobs", "stop", "seed")
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _APIKey:
+    """ASGI middleware: ``/v1/*`` needs ``Authorization: Bearer <key>``. (Pure ASGI, not
+    BaseHTTPMiddleware, so streaming responses still see client disconnects.)"""
+
+    def __init__(self, app, key: str):
+        self.app, self.want = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            got = dict(scope["headers"]).get(b"authorization")
+            if got is None or not hmac.compare_digest(got, self.want):
+                msg = ("Missing API key: send 'Authorization: Bearer <key>'" if got is None
+                       else "Incorrect API key provided")
+                resp = JSONResponse(error_body(msg, code="invalid_api_key"), 401,
+                                    headers={"WWW-Authenticate": "Bearer"})
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return APIError("We could not parse the JSON body of your request: "
+                        f"{first.get('ctx', {}).get('error', 'invalid JSON')}")
+    param = _loc(first.get("loc", ())) or None
+    msgs = [f"{_loc(e['loc']) or 'body'}: {e['msg']}" for e in errors[:3]]
+    return APIError("Invalid request: " + "; ".join(msgs), param=param)
+
+
+def _loc(loc) -> str:
+    """``("body", "messages", 0, "role")`` -> ``"messages.0.role"``, without the union-member
+    tags pydantic adds (``"str"``, ``"list[int]"``, ``"TextPart"``)."""
+    return ".".join(str(x) for x in loc[1:] if not _TAG.match(str(x)))
+
+
+def _param_of(message: str) -> str | None:
+    word = message.split(" ", 1)[0]
+    if word in _PARAMS:
+        return word
+    return "prompt" if "prompt" in message else None
+
+
+def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` as the model ``model_name``.
+
+    The caller owns ``engine`` (``engine.shutdown()`` after the server stops).
+    """
+    app = FastAPI(title="hyla", description="OpenAI-compatible hybrid GLA/attention LM server")
+    tok = engine.engine.tokenizer
+    max_len = engine.engine.config.max_model_len
+    created = int(time.time())
+    if api_key:
+        app.add_middleware(_APIKey, key=api_key)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        err = _validation_error(exc)
+        return JSONResponse(err.body(), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        return JSONResponse(error_body(f"internal error: {exc!r}", "server_error"), 500)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise APIError(f"The model {name!r} does not exist: this server serves "
+                           f"{model_name!r}", param="model", code="model_not_found")
+
+    def sampling(req, n_prompt: int, max_tokens: int | None, logprobs: int | None,
+                 extra_stop: tuple[str, ...] = (), prompt_param: str = "prompt"
+                 ) -> SamplingParams:
+        if n_prompt == 0:
+            raise APIError("The prompt is empty: it must hold at least one token",
+                           param=prompt_param)
+        if n_prompt >= max_len:
+            raise APIError(f"This model's maximum context length is {max_len} tokens; the "
+                           f"prompt has {n_prompt}", param=prompt_param,
+                           code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = max_len - n_prompt
+        if max_tokens < 1:
+            raise APIError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+        if n_prompt + max_tokens > max_len:
+            raise APIError(f"This model's maximum context length is {max_len} tokens; you "
+                           f"requested {n_prompt + max_tokens} ({n_prompt} in the prompt, "
+                           f"{max_tokens} for the completion)", param="max_tokens",
+                           code="context_length_exceeded")
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else req.top_p,
+                seed=req.seed, stop=req.stop_list + extra_stop,
+                stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                logprobs=logprobs)
+        except ValueError as e:
+            raise APIError(str(e), param=_param_of(str(e))) from None
+
+    async def until_disconnect(request: Request, awaitable):
+        """Await ``awaitable``, cancelling it (which aborts the request) if the client
+        disconnects meanwhile."""
+        task = asyncio.ensure_future(awaitable)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise _ClientGone
+
+    async def run(request: Request, req, ids: list[int], params: SamplingParams,
+                  fmt: Formatter):
+        gen = engine.generate(ids, params, fmt.id)
+        try:
+            first = await until_disconnect(request, anext(gen))
+        except _ClientGone:
+            return Response(status_code=499)
+        except ValueError as e:
+            raise APIError(str(e), param=_param_of(str(e))) from None
+        except QueueFull as e:
+            raise APIError(f"The server is busy: {e}. Retry shortly.", status=429,
+                           type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": "1"}) from None
+        except RuntimeError as e:
+            raise APIError(str(e), status=503, type="server_error") from None
+        if req.stream:
+            return StreamingResponse(_events(fmt, first, gen), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+
+        async def collect() -> Result:
+            r = Result()
+            r.add(first)
+            async for out in gen:
+                r.add(out)
+            return r
+        try:
+            result = await until_disconnect(request, collect())
+        except _ClientGone:
+            return Response(status_code=499)
+        except RuntimeError as e:
+            raise APIError(str(e), status=503, type="server_error") from None
+        return fmt.response(result)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        check_model(req.model)
+        req.check_unsupported()
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) > 1:
+                raise APIError(f"Batched prompts are not supported ({len(prompt)} prompts): "
+                               "send one request per prompt", param="prompt")
+            prompt = prompt[0]
+        ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        params = sampling(req, len(ids), req.max_tokens, req.logprobs)
+        fmt = Formatter(tok, f"cmpl-{uuid.uuid4().hex}", model_name, chat=False,
+                        logprobs=req.logprobs, include_usage=_usage(req))
+        return await run(request, req, ids, params, fmt)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        check_model(req.model)
+        req.check_unsupported()
+        messages = [{"role": m.role, "content": m.text} for m in req.messages]
+        text, stops = render_chat(tok, messages)
+        ids = tok.encode(text)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        params = sampling(req, len(ids), max_tokens, logprobs, stops, prompt_param="messages")
+        fmt = Formatter(tok, f"chatcmpl-{uuid.uuid4().hex}", model_name, chat=True,
+                        logprobs=logprobs, include_usage=_usage(req))
+        return await run(request, req, ids, params, fmt)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "created": created, "owned_by": "hyla",
+                                            "max_model_len": max_len}]}
+
+    @app.get("/health")
+    async def health():
+        s = engine.engine.scheduler
+        body = {"status": "ok", "model": model_name, "running": s.num_running,
+                "waiting": engine.num_waiting, "state_slots_used": s.pool.num_used,
+                "kv_blocks_used": s.blocks.num_used if s.blocks is not None else 0}
+        if engine.error is not None:
+            return JSONResponse(body | {"status": "error", "error": repr(engine.error)}, 503)
+        return body
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(engine.metrics.render(engine.engine),
+                                 media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _usage(req) -> bool:
+    return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+
+async def _events(fmt: Formatter, first, gen):
+    """The SSE body; closing ``gen`` on the way out aborts an unfinished request."""
+    try:
+        async for event in fmt.stream(first, gen):
+            yield event
+    except RuntimeError as e:       # the engine failed mid-stream
+        yield f"data: {JSONResponse(error_body(str(e), 'server_error')).body.decode()}\n\n"
+    finally:
+        await gen.aclose()

@@ -1,0 +1,146 @@
+"""The PrfaaS simulator: cost model, workloads, one run per deployment kind, the CLI."""
+
+import json
+import pathlib
+
+import pytest
+
+from hyla.disagg.kv_table import kv_table
+from hyla.disagg.sim import Deployment, Sim, SimConfig
+from hyla.disagg.sim_hardware import (
+    InstanceProfile,
+    load_measured_profile,
+    published_1t_hybrid,
+    step_time,
+)
+from hyla.disagg.sim_setups import published_deployments, workload_maker
+from hyla.disagg.sim_workload import SyntheticMix, arrival_times, load_trace
+
+TRACE = str(pathlib.Path(__file__).resolve().parents[3] / "shared" / "traces"
+            / "azure_conv_2023.csv")
+if not pathlib.Path(TRACE).is_file():
+    pytest.skip("the shared request traces are not here", allow_module_level=True)
+MODEL = published_1t_hybrid()
+
+
+def small_deps():
+    h20, h200 = InstanceProfile(gpu="H20"), InstanceProfile(gpu="H200")
+    return {
+        "homogeneous": Deployment(name="homogeneous", kind="homogeneous", local=h20,
+                                  local_instances=3, local_prefill=2),
+        "naive": Deployment(name="naive", kind="naive", local=h20, local_instances=2,
+                            local_prefill=0, remote=h200, remote_instances=1),
+        "prfaas": Deployment(name="prfaas", kind="prfaas", local=h20, local_instances=2,
+                             local_prefill=1, remote=h200, remote_instances=1),
+    }
+
+
+def test_step_time_roofline():
+    h20, h200 = InstanceProfile(gpu="H20"), InstanceProfile(gpu="H200")
+    pre20 = step_time(h20, MODEL, [(0, 8192)], 0)
+    pre200 = step_time(h200, MODEL, [(0, 8192)], 0)
+    assert 5 < pre20 / pre200 < 7            # compute-bound: the FLOP/s ratio 989 / 148
+    # attention makes a later chunk of the same prompt cost more
+    assert step_time(h200, MODEL, [(24_576, 8192)], 0) > pre200
+    d1 = step_time(h20, MODEL, [], [1000])
+    d64 = step_time(h20, MODEL, [], [1000] * 64)
+    assert d1 < d64 < 64 * d1                # batching amortises the weights
+    assert step_time(h20, MODEL, [], []) == 0.0
+
+
+def test_measured_profile(tmp_path):
+    p = tmp_path / "serve_profile.json"
+    p.write_text(json.dumps({"name": "cpu", "prefill_tok_s": 1000.0,
+                             "decode_step_s": {"1": 0.01, "8": 0.03}}))
+    prof = load_measured_profile(p)
+    assert step_time(prof, MODEL, [(0, 500)], 0) == pytest.approx(0.5)
+    assert step_time(prof, MODEL, [], [10] * 4) == pytest.approx(0.01 + 0.02 * 3 / 7)
+    assert step_time(prof, MODEL, [], [10] * 16) == pytest.approx(0.06)
+    p.write_text("{}")
+    with pytest.raises(ValueError, match="prefill_tok_s"):
+        load_measured_profile(p)
+
+
+def test_kv_table_hybrids_emit_less():
+    rows = {r["mix"]: r for r in kv_table(include_hyla=False)}
+    assert 30 < rows["dense (GQA)"]["kv_gbps"] < 60        # published dense: 33-60 Gbps
+    assert 2 < rows["7:1 hybrid"]["kv_gbps"] < 4.5          # published 1T hybrid: 3.19
+    assert rows["dense (GQA)"]["kv_gbps"] > 10 * rows["7:1 hybrid"]["kv_gbps"]
+    assert rows["3:1 hybrid"]["kv_gbps"] > rows["7:1 hybrid"]["kv_gbps"]
+
+
+def test_workloads():
+    reqs = load_trace(TRACE, length_scale=8, rate=2.0, num_requests=50)
+    raw = load_trace(TRACE, num_requests=50)
+    assert [r.prompt_len for r in reqs] == [r.prompt_len * 8 for r in raw]
+    assert (len(reqs) - 1) / reqs[-1].arrival == pytest.approx(2.0)
+    g = load_trace(TRACE, rate=1.0, arrivals="gamma", num_requests=20)
+    assert g[0].arrival == 0.0 and len(g) == 20
+    mix = SyntheticMix().generate(300, 4.0, seed=1)
+    follow = [r for r in mix if r.prefix_len]
+    assert follow and all(r.prefix_len < r.prompt_len for r in follow)
+    with pytest.raises(ValueError, match="rate"):
+        arrival_times(3, 0.0)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_trace("/nonexistent.csv")
+
+
+@pytest.mark.parametrize("kind", ["homogeneous", "naive", "prfaas"])
+def test_run_each_deployment(kind):
+    reqs = SyntheticMix().generate(40, 0.3, seed=2)
+    m = Sim(MODEL, small_deps()[kind], SimConfig()).run(reqs)
+    assert m["completed"] == 40
+    assert m["ttft_p50_s"] > 0 and m["tpot_p50_s"] > 0 and m["throughput_tok_s"] > 0
+    assert m["ttft_p90_s"] >= m["ttft_p50_s"]
+    if kind == "homogeneous":
+        assert m["offload_fraction"] == 0 and m["egress_gbps"] == 0
+    elif kind == "naive":
+        assert m["offload_fraction"] == 1 and 0 < m["egress_gbps"] < 100
+    else:
+        assert 0 < m["offload_fraction"] < 1 and m["threshold_final"] is not None
+        assert m["recommended_local_prefill"] in (1,)
+
+
+def test_prfaas_offloads_only_long_incremental_prefills():
+    reqs = SyntheticMix().generate(40, 0.3, seed=3)
+    dep = small_deps()["prfaas"]
+    sim = Sim(MODEL, Deployment(**{**dep.__dict__, "adapt": False}))
+    sim.run(reqs)
+    for rec in sim.rec.values():
+        assert (rec["cluster"] == "remote") == (rec["incremental"] > dep.threshold) or \
+            rec["cached"] > 0   # cache-aware placement may count a prefix held elsewhere
+
+
+def test_deployment_validation():
+    with pytest.raises(ValueError, match="remote"):
+        Deployment(name="x", kind="naive", local=InstanceProfile(gpu="H20"),
+                   local_instances=2, local_prefill=0)
+    with pytest.raises(ValueError, match="decode instance"):
+        Deployment(name="x", kind="homogeneous", local=InstanceProfile(gpu="H20"),
+                   local_instances=2, local_prefill=2)
+    assert sum(d.gpus() for d in published_deployments().values()) == 3 * 96
+
+
+def test_cli_simulate_json(tmp_path, capsys):
+    from hyla.cli import main
+
+    out = tmp_path / "sim.json"
+    code = main(["simulate", "--setup", "published", "--trace", TRACE, "--length-scale", "4",
+                 "--rate", "1.0", "--requests", "30", "--json", str(out)])
+    assert code == 0
+    res = json.loads(out.read_text())
+    assert set(res["deployments"]) == {"homogeneous", "naive", "prfaas"}
+    for m in res["deployments"].values():
+        for key in ("throughput_tok_s", "goodput_req_s", "ttft_p50_s", "ttft_p90_s",
+                    "egress_gbps"):
+            assert isinstance(m[key], float)
+    assert "prfaas_vs_naive" in res["ratios"]
+    assert main(["simulate", "--deployments", "nope", "--rate", "1"]) == 2
+    assert main(["kv-table"]) == 0
+
+
+def test_workload_maker_is_rate_independent():
+    make = workload_maker(num_requests=20)
+    a, b = make(1.0), make(2.0)
+    assert [r.prompt_len for r in a] == [r.prompt_len for r in b]
+    assert b[-1].arrival < a[-1].arrival

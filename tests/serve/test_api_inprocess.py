@@ -1,0 +1,99 @@
+"""The API app in-process (FastAPI's TestClient): formats and error paths that need no
+real server."""
+
+import json
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from hyla.data.tokenizer import ByteTokenizer
+from hyla.model import HylaLM, preset
+from hyla.serve.api import create_app
+from hyla.serve.api_format import render_chat
+from hyla.serve.async_engine import AsyncEngine
+from hyla.serve.engine import Engine, EngineConfig
+
+
+@pytest.fixture(scope="module")
+def engine():
+    # One thread: on a busy 2-core machine a second one costs 10x (the engine thread's
+    # OpenMP team spins against whatever else runs).
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    eng = AsyncEngine(Engine(HylaLM(preset("debug")), ByteTokenizer(),
+                             EngineConfig(max_num_seqs=4, max_model_len=128)))
+    yield eng
+    eng.shutdown()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    return TestClient(create_app(engine, model_name="m"))
+
+
+def test_chat_template():
+    text, stops = render_chat(ByteTokenizer(), [{"role": "system", "content": "S"},
+                                                {"role": "user", "content": "U"}])
+    assert text == "<|system|>\nS\n<|user|>\nU\n<|assistant|>\n" and "<|user|>" in stops
+
+
+def test_chat_content_parts_and_logprobs(client):
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                      {"type": "text", "text": "b"}]}],
+            "max_tokens": 3, "logprobs": True, "top_logprobs": 2}
+    r = client.post("/v1/chat/completions", json=body).json()
+    assert r["usage"]["prompt_tokens"] == len("<|user|>\nab\n<|assistant|>\n")
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(len(c["top_logprobs"]) == 2 for c in content)
+
+
+def test_stop_string_cuts_the_text(client):
+    body = {"prompt": "xyz", "max_tokens": 24, "temperature": 0}
+    text = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = next((c for c in text[1:] if c != "\ufffd"), None)
+    if stop is None:
+        pytest.skip("no usable stop character in this sample")
+    r = client.post("/v1/completions", json=body | {"stop": [stop]}).json()["choices"][0]
+    assert r["text"] == text[:text.index(stop)] and r["finish_reason"] == "stop"
+    events = client.post("/v1/completions", json=body | {"stop": stop, "stream": True}).text
+    chunks = [json.loads(e[6:]) for e in events.split("\n\n") if e.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == r["text"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "logprobs": 9}, "logprobs"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": [[1, 2], [3]]}, "prompt"),
+])
+def test_unsupported_fields_are_400(client, body, param):
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_full_queue_is_429(engine):
+    limit, engine.max_waiting = engine.max_waiting, 0
+    try:
+        r = TestClient(create_app(engine, model_name="m")).post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    finally:
+        engine.max_waiting = limit
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_failed_engine_is_503_not_a_crash(engine):
+    c = TestClient(create_app(engine, model_name="m"))
+    engine.error = RuntimeError("boom")
+    try:
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        h = c.get("/health")
+    finally:
+        engine.error = None
+    assert r.status_code == 503 and "boom" in r.json()["error"]["message"]
+    assert h.status_code == 503 and h.json()["status"] == "error"
+    assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
