@@ -124,6 +124,30 @@ class Engine:
             self._generators[rid] = g.manual_seed(params.seed)
         return seq
 
+    def add_prefilled(self, prompt_ids: list[int], first_token: int, state,
+                      params: SamplingParams, request_id: str | None = None,
+                      arrival_time: float | None = None) -> Sequence:
+        """Queue a request whose prompt was prefilled elsewhere (disaggregated prefill).
+
+        ``state`` is the SequenceState after the prompt and ``first_token`` the token sampled
+        from its last logits; the sequence goes straight to decoding once it gets a slot.
+        The first token is not emitted again: the caller already has it.
+        """
+        if state.num_tokens != len(prompt_ids):
+            raise ValueError(f"state holds {state.num_tokens} tokens, the prompt "
+                             f"{len(prompt_ids)}")
+        self.runner.model._check_state(state, "state")
+        seq = self.add_request(prompt_ids, params, request_id, arrival_time)
+        seq.output_ids.append(first_token)
+        seq.num_computed_tokens = len(prompt_ids)
+        seq.external_state = state
+        seq.first_token_time = seq.arrival_time
+        reason = seq.stop_reason_for(first_token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self._forget(seq.request_id)
+        return seq
+
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming what is wrong if the request could never run."""
         if not prompt_ids:

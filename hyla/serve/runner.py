@@ -120,12 +120,15 @@ class Runner:
 
     # -- compute -----------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, chunks: list[tuple[int, list[int], int, list[int]]]) -> torch.Tensor:
+    def prefill(self, chunks: list[tuple[int, list[int], int, list[int]]],
+                on_layer=None) -> torch.Tensor:
         """Compute prompt chunks of several sequences packed together.
 
         Args:
             chunks: (slot, token ids, start position, block table) per sequence; the slot
                 holds the state after ``start`` tokens (zeroed by the caller for start 0).
+            on_layer: optional ``fn(layer_index)`` called as soon as a layer's state is
+                final, so a disaggregated prefill can ship it while later layers compute.
         Returns:
             logits [len(chunks), vocab] (fp32) at each chunk's last token.
         """
@@ -149,6 +152,8 @@ class Runner:
                 y = layer._out(h, o)
             else:
                 y = self._prefill_attention(i, block.mixer, h, positions, chunks, lens)
+            if on_layer is not None:
+                on_layer(i)
             x = x + y
             x = x + block.mlp(block.mlp_norm(x))
         last = cu[1:] - 1

@@ -143,3 +143,19 @@ def test_compiled_decode_one_graph_per_width_and_same_tokens():
         eng.step()
     assert [s.output_ids for s in seqs] == want
     assert eng.runner.num_compilations == 1
+
+
+def test_add_prefilled_continues_like_local_prefill():
+    model = _model()
+    prompt = _prompts(1, seed=5, lo=20, hi=21)[0]
+    want = generate(model, prompt, 8, temperature=0)
+    state = model.new_state()
+    first = int(model.prefill(torch.tensor(prompt), state)[-1].argmax())
+    shipped = type(state).unflatten(state.flatten())
+    eng = Engine(model, None, EngineConfig(max_model_len=64))
+    seq = eng.add_prefilled(prompt, first, shipped, dataclasses.replace(GREEDY, max_tokens=8))
+    while eng.has_unfinished():
+        eng.step()
+    assert seq.output_ids == want
+    with pytest.raises(ValueError, match="holds"):
+        eng.add_prefilled(prompt[:-1], first, shipped, GREEDY)
