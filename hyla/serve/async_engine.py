@@ -60,9 +60,13 @@ class AsyncEngine:
         return self._inbox_adds + self.engine.scheduler.num_waiting
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[StepOutput]:
+                       request_id: str | None = None, prefilled: tuple | None = None
+                       ) -> AsyncIterator[StepOutput]:
         """Stream one request's outputs. Raises ValueError (bad request) or QueueFull
-        before the first output; closing the iterator early aborts the request."""
+        before the first output; closing the iterator early aborts the request.
+
+        ``prefilled=(first_token, SequenceState)``: the prompt was prefilled elsewhere;
+        decoding continues from that state (the first token is not streamed again)."""
         if self.error is not None:
             raise RuntimeError(f"the engine thread failed: {self.error!r}")
         self.engine.check_request(prompt_ids, params)
@@ -75,7 +79,7 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)
         self._arrivals[rid] = time.perf_counter()
-        self._inbox.put(("add", rid, list(prompt_ids), params))
+        self._inbox.put(("add", rid, list(prompt_ids), params, prefilled))
         self._wake.set()
         finished = False
         try:
@@ -108,13 +112,22 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if msg[0] == "add":
-                _, rid, prompt, params = msg
+                _, rid, prompt, params, prefilled = msg
                 with self._lock:
                     self._inbox_adds -= 1
                 if rid not in self._streams:        # aborted before it got in
                     continue
                 try:
-                    self.engine.add_request(prompt, params, rid, self._arrivals.get(rid))
+                    if prefilled is None:
+                        self.engine.add_request(prompt, params, rid, self._arrivals.get(rid))
+                    else:
+                        seq = self.engine.add_prefilled(prompt, *prefilled, params, rid,
+                                                        self._arrivals.get(rid))
+                        if seq.is_finished:         # the shipped first token ended it
+                            self._deliver(rid, StepOutput(rid, [], "", True,
+                                                          seq.finish_reason, [],
+                                                          seq.num_prompt_tokens, 1))
+                            self._forget(rid)
                 except ValueError as e:
                     self._deliver(rid, e)
                     self._forget(rid)
