@@ -166,6 +166,15 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def warmup(self) -> int:
+        """Compile every decode shape the scheduler can produce (a no-op when eager), so
+        serving never compiles; returns the number of graphs built."""
+        if not self.runner.compiled:
+            return 0
+        c = self.config
+        return self.runner.warmup(self.scheduler.config.decode_widths,
+                                  -(-c.max_model_len // c.block_size))
+
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Schedule, compute and sample once; the new tokens of every request touched."""

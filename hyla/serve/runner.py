@@ -211,6 +211,21 @@ class Runner:
             self.compile_time_s += time.perf_counter() - t0
         return logits
 
+    def warmup(self, widths: tuple[int, ...], max_blocks: int = 0) -> int:
+        """Build every decode graph up front: each width x each power-of-two block-table
+        length up to ``max_blocks``. Writes only to the padding slot and block. Returns
+        the number of graphs compiled."""
+        before = self.num_compilations
+        nbs = [0]
+        if self.attn_layers:
+            nbs = [1 << i for i in range(max(1, max_blocks).bit_length())]
+            if nbs[-1] < max_blocks:
+                nbs.append(nbs[-1] * 2)
+        for w in widths:
+            for nb in nbs:
+                self.decode([self.pad_slot], [0], [0], [[self.pad_block] * nb], w)
+        return self.num_compilations - before
+
     def _decode_impl(self, tokens, slots, positions, tables):
         m = self.model
         x = m.embed(tokens[:, None])
