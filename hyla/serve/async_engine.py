@@ -132,7 +132,8 @@ class AsyncEngine:
                     self._deliver(rid, e)
                     self._forget(rid)
             else:
-                self.engine.abort(msg[1])
+                if self.engine.abort(msg[1]):
+                    self.metrics.aborted(msg[1])
                 self._forget(msg[1])
 
     def _loop(self) -> None:

@@ -46,6 +46,7 @@ class EngineMetrics:
         self.tokens_per_s = Gauge("hyla_generation_tokens_per_second",
                                   "Output tokens/s over the last scrape interval", registry=r)
         self._last_token: dict[str, float] = {}
+        self._prompt_seen = 0
         self._rate_mark = (time.perf_counter(), 0)
         self._generated = 0
 
@@ -66,6 +67,11 @@ class EngineMetrics:
                 self._last_token.pop(o.request_id, None)
                 self.requests.labels(o.finish_reason or "abort").inc()
 
+    def aborted(self, request_id: str) -> None:
+        """A request that ended without a final output (client gone, or cancelled)."""
+        self._last_token.pop(request_id, None)
+        self.requests.labels("abort").inc()
+
     def forget(self, request_id: str) -> None:
         self._last_token.pop(request_id, None)
 
@@ -82,7 +88,8 @@ class EngineMetrics:
                 self.cache_hit.set(s.prefix_cache.hit_rate)
             self.compilations.set(engine.runner.num_compilations)
             prompt = engine.stats["prompt_tokens"]
-            self.prompt_tokens.inc(max(0, prompt - self.prompt_tokens._value.get()))
+            self.prompt_tokens.inc(max(0, prompt - self._prompt_seen))
+            self._prompt_seen = max(prompt, self._prompt_seen)
         t0, n0 = self._rate_mark
         now = time.perf_counter()
         if now - t0 > 0:
