@@ -106,6 +106,9 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
                           enable_prefix_caching=not args.no_prefix_caching,
                           compile=args.compile)
     engine = Engine(model, tok, config)
+    if args.compile:
+        # Every decode shape compiled now, so no request ever waits on a compilation.
+        out.print(f"compiled {engine.warmup()} decode graphs")
     # One tiny request before the first client's: first-call costs (allocator, kernels)
     # don't land on its time to first token.
     engine.generate([[0]], SamplingParams(max_tokens=2, temperature=0))
