@@ -345,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_commands(sub)
     add_serve_commands(sub)
     add_train_commands(sub)
+    from hyla.cli_cluster import add_cluster_commands  # after serve: adds its --role options
+
+    add_cluster_commands(sub)
     return parser
 
 

@@ -1,0 +1,121 @@
+"""Live PrfaaS on one machine: the PrfaaS policy (long prompts remote, short ones local,
+threshold adapted to measured egress and queues) vs all-local vs all-remote, through a
+throttled prefill -> decode link: TTFT, completions, requests offloaded, state shipped and
+egress, measured end to end through the router.
+
+Each mode starts a real ``hyla cluster`` (router + prefill + decode worker processes, debug
+preset: random weights, byte tokenizer) and replays the Azure conversation trace
+(``../shared/traces/azure_conv_2023.csv``): prompt lengths scaled by ``--length-scale``,
+outputs by ``--output-scale``, arrivals rescaled to ``--rate`` req/s (what 2 CPU cores can
+carry). Every worker shares this machine's cores, so the "remote" pool adds no compute:
+this measures the system's mechanics (routing, shipping, fallbacks, egress), not a speedup.
+
+    python benchmarks/disagg_live.py --quick
+
+Writes ``benchmarks/results/disagg_live.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import pathlib
+import statistics
+import sys
+import time
+
+import httpx
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hyla.disagg.cluster import ClusterSpec, free_port, launch  # noqa: E402
+from hyla.disagg.sim_workload import load_trace  # noqa: E402
+from hyla.perf import print_table, write_results  # noqa: E402
+
+TRACE = ROOT.parent / "shared" / "traces" / "azure_conv_2023.csv"
+
+
+async def _request(client, base, req, t0, out):
+    await asyncio.sleep(max(0.0, t0 + req.arrival - time.perf_counter()))
+    start = time.perf_counter()
+    prompt = [(i * 7 + req.rid) % 250 + 1 for i in range(req.prompt_len)]
+    body = {"prompt": prompt, "max_tokens": req.output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    ttft, ok = None, False
+    try:
+        async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and ttft is None:
+                    ttft = time.perf_counter() - start
+                if line == "data: [DONE]":
+                    ok = r.status_code == 200
+    except httpx.HTTPError:
+        pass
+    out.append({"ok": ok, "ttft": ttft, "e2e": time.perf_counter() - start,
+                "prompt": req.prompt_len})
+
+
+def _pct(xs, q):
+    xs = sorted(x for x in xs if x is not None)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def run_mode(name, force, args, reqs):
+    spec = ClusterSpec(preset="debug", port=free_port(), prefill_workers=1, decode_workers=1,
+                       link_gbps=args.link_gbps, threshold=args.threshold,
+                       max_model_len=args.max_len + 64, force_path=force, threads=1)
+    cluster = launch(spec)
+    try:
+        base = cluster.url
+        out: list = []
+
+        async def replay():
+            async with httpx.AsyncClient(timeout=300) as client:
+                t0 = time.perf_counter()
+                await asyncio.gather(*(_request(client, base, r, t0, out) for r in reqs))
+        t = time.perf_counter()
+        asyncio.run(replay())
+        wall = time.perf_counter() - t
+        view = httpx.get(f"{base}/cluster").json()
+        pre = [w for w in view["workers"] if w["role"] == "prefill"][0]
+        info = httpx.get(pre["address"] + "/internal/info").json()
+    finally:
+        cluster.stop()
+    ttfts = [o["ttft"] for o in out if o["ok"]]
+    return {"mode": name, "requests": len(reqs), "completed": sum(o["ok"] for o in out),
+            "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p90_s": _pct(ttfts, 0.9),
+            "e2e_mean_s": statistics.fmean(o["e2e"] for o in out),
+            "offloaded": view["counts"]["remote"], "fallbacks": view["counts"]["fallback_local"],
+            "state_MB_shipped": info["bytes_sent"] / 1e6,
+            "egress_gbps_avg": info["bytes_sent"] * 8 / wall / 1e9,
+            "final_threshold": view["policy"]["threshold"], "wall_s": wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--requests", type=int, default=60)
+    ap.add_argument("--rate", type=float, default=2.0)
+    ap.add_argument("--length-scale", type=float, default=1.0)
+    ap.add_argument("--output-scale", type=float, default=0.1)
+    ap.add_argument("--max-len", type=int, default=1536)
+    ap.add_argument("--link-gbps", type=float, default=0.05, help="throttled link (50 Mbit/s)")
+    ap.add_argument("--threshold", type=int, default=512)
+    args = ap.parse_args()
+    if args.quick:
+        args.requests = 30
+    reqs = load_trace(TRACE, length_scale=args.length_scale, output_scale=args.output_scale,
+                      rate=args.rate, num_requests=args.requests, max_len=args.max_len)
+    rows = [run_mode("prfaas", None, args, reqs), run_mode("all-local", "local", args, reqs),
+            run_mode("all-remote", "remote", args, reqs)]
+    print_table(f"Live PrfaaS on this machine: {len(reqs)} conversation-trace requests at "
+                f"{args.rate} req/s, link {args.link_gbps} Gbps (debug preset)", rows)
+    path = write_results("disagg_live", rows, settings=vars(args), trace=str(TRACE),
+                         note="all workers share this machine's CPU cores: mechanics, not "
+                              "a speedup; debug preset (random weights)")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

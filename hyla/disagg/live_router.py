@@ -1,0 +1,535 @@
+"""The router role (``hyla serve --role router``): the cluster's OpenAI-compatible front.
+
+For each request the router tokenizes the prompt and asks the
+:class:`~hyla.disagg.router.PrfaasRouter` policy where its prefill runs:
+
+- **local**: the request is proxied to a decode (PD) worker, which prefills and decodes it;
+- **remote**: a prefill worker prefills it and ships the state, layer by layer, to a decode
+  worker that streams the decode back through the router.
+
+Nothing is lost silently. A remote prefill that fails (worker killed, transfer corrupt,
+partial, mismatched or stalled) is re-run locally. A decode worker that fails before the
+client saw a token is replaced by another; a streaming response that already sent tokens
+ends with an error event, and a non-streaming one is re-run from the start. When no worker
+can serve, the client gets a 503 with an OpenAI error body.
+
+Every ``poll_s`` the router reads each worker's ``/internal/info`` (health, queue,
+throughput) and feeds the policy the measured egress Gbps (bytes the prefill workers
+shipped), the remote and local prefill queues and whether the remote pool is up. ``GET
+/cluster`` lists the workers (role, address, pid, health), the policy's state, the routing
+counts and the long-timescale P/D split recommendation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from hyla.disagg.router import PrfaasRouter, RouterConfig, recommend_pd_split
+from hyla.disagg.transfer import EgressMeter
+from hyla.serve.api import _APIKey, _param_of, _usage, _validation_error
+from hyla.serve.api_format import Formatter, Result, render_chat
+from hyla.serve.api_schemas import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from hyla.serve.engine import StepOutput
+from hyla.serve.sampler import TokenLogprob
+from hyla.serve.sequence import SamplingParams
+
+
+class _Fallback(Exception):
+    """The remote path failed before any output: re-run locally."""
+
+
+class _WorkerFailed(Exception):
+    """A decode worker failed (connection lost, engine error) while streaming."""
+
+    def __init__(self, msg: str, sent: int):
+        super().__init__(msg)
+        self.sent = sent
+
+
+@dataclass
+class Worker:
+    url: str
+    role: str
+    info: dict = field(default_factory=dict)
+    healthy: bool = False
+    error: str | None = "not polled yet"
+    inflight: int = 0
+    last_ok: float = 0.0
+
+    def view(self) -> dict:
+        i = self.info
+        return {"role": self.role, "address": self.url, "pid": i.get("pid"),
+                "healthy": self.healthy, "health": "ok" if self.healthy else "down",
+                "error": self.error, "inflight": self.inflight,
+                "transfer_address": i.get("transfer_address"),
+                "queue_s": i.get("queue_s"), "fingerprint": i.get("fingerprint")}
+
+
+@dataclass(kw_only=True)
+class LiveRouterConfig:
+    """The router's knobs. ``threshold`` (tokens) is the policy's initial ``t``;
+    ``link_gbps`` the inter-cluster link's capacity (for utilisation);
+    ``max_remote_inflight`` requests per prefill worker before the pool counts as
+    saturated (then requests stay local)."""
+
+    prefill_urls: list[str]
+    decode_urls: list[str]
+    model_name: str
+    max_model_len: int = 2048
+    threshold: int = 1024
+    link_gbps: float = 10.0
+    adapt: bool = True
+    transfer_timeout_s: float = 30.0
+    max_remote_inflight: int = 4
+    poll_s: float = 0.5
+    read_timeout_s: float = 120.0
+    api_key: str | None = None
+    force: str | None = None          # "local" / "remote": bypass the policy (benchmarks)
+
+
+def _out(d: dict, rid: str) -> StepOutput:
+    lps = [TokenLogprob(x["token"], x["logprob"], [tuple(t) for t in x["top"]])
+           for x in d.get("logprobs") or []]
+    return StepOutput(rid, d["token_ids"], d["text"], d["finished"], d["finish_reason"], lps,
+                      d["num_prompt_tokens"], d["num_output_tokens"])
+
+
+class LiveRouter:
+    """Worker registry, policy and request paths (see the module docstring)."""
+
+    def __init__(self, cfg: LiveRouterConfig, tokenizer):
+        self.cfg, self.tok = cfg, tokenizer
+        self.prefill = [Worker(u.rstrip("/"), "prefill") for u in cfg.prefill_urls]
+        self.decode = [Worker(u.rstrip("/"), "decode") for u in cfg.decode_urls]
+        self.policy = PrfaasRouter(RouterConfig(
+            threshold=cfg.threshold, t_min=min(256, cfg.threshold), link_gbps=cfg.link_gbps,
+            adapt=cfg.adapt))
+        self.egress = EgressMeter(window_s=5.0)
+        self.counts = {"local": 0, "remote": 0, "remote_ok": 0, "fallback_local": 0,
+                       "decode_retries": 0, "failed_mid_stream": 0, "failed": 0}
+        self.fallback_reasons: dict[str, int] = {}
+        self.last_errors: list[str] = []
+        self.t0 = time.monotonic()
+        self._busy_prev: dict[str, tuple] = {}
+        self.pd = {"note": "not measured yet"}
+        self._rr = itertools.count()
+        headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        self.http = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(
+            cfg.read_timeout_s, connect=5.0), limits=httpx.Limits(max_connections=1000,
+                                                                   max_keepalive_connections=100))
+        self._poller: asyncio.Task | None = None
+
+    # -- health and policy inputs ------------------------------------------------------
+    async def poll_once(self) -> None:
+        async def one(w: Worker):
+            try:
+                r = await self.http.get(f"{w.url}/internal/info", timeout=3.0)
+                r.raise_for_status()
+                w.info, w.healthy, w.error = r.json(), True, None
+                w.last_ok = time.monotonic()
+            except (httpx.HTTPError, ValueError) as e:
+                w.healthy, w.error = False, f"{type(e).__name__}: {e}"
+        await asyncio.gather(*(one(w) for w in self.prefill + self.decode))
+        up = [w for w in self.prefill if w.healthy]
+        loc = [w for w in self.decode if w.healthy]
+        remote_q = min((w.info.get("queue_s", 0.0) for w in up), default=0.0)
+        local_q = min((w.info.get("queue_s", 0.0) for w in loc), default=0.0)
+        self.policy.observe(time.monotonic() - self.t0, egress_gbps=self.egress.gbps(),
+                            remote_queue_s=remote_q, local_queue_s=local_q,
+                            remote_up=bool(up))
+        self._pd_split(loc)
+
+    def _pd_split(self, loc: list[Worker]) -> None:
+        """Long timescale: busy fractions of the local pool's prefill and decode work."""
+        now = time.monotonic()
+        pre = sum(w.info.get("prefill_time_s", 0.0) for w in loc)
+        dec = sum(w.info.get("decode_time_s", 0.0) for w in loc)
+        prev = self._busy_prev.get("local")
+        if prev is None or now - prev[0] < 10.0:
+            self._busy_prev.setdefault("local", (now, pre, dec))
+            return
+        self._busy_prev["local"] = (now, pre, dec)
+        span = (now - prev[0]) * max(1, len(loc))
+        pb, db = min(1.0, (pre - prev[1]) / span), min(1.0, (dec - prev[2]) / span)
+        n = len(loc)
+        self.pd = {"local_instances": n, "prefill_busy": round(pb, 3),
+                   "decode_busy": round(db, 3), "window_s": round(now - prev[0], 1)}
+        if n >= 2:
+            self.pd["recommended_prefill_instances"] = recommend_pd_split(
+                n, max(1, n // 2), min(1.0, 2 * pb), min(1.0, 2 * db))
+            self.pd["note"] = ("of the local PD instances, how many should be dedicated "
+                               "prefill instances for the measured load")
+        else:
+            self.pd["note"] = "one local instance: nothing to split"
+
+    async def _poll_loop(self) -> None:
+        while True:
+            try:
+                await self.poll_once()
+            except Exception as e:  # noqa: BLE001 - keep polling
+                self._error(f"poll failed: {e!r}")
+            await asyncio.sleep(self.cfg.poll_s)
+
+    def start(self) -> None:
+        self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        await self.http.aclose()
+
+    def _error(self, msg: str) -> None:
+        self.last_errors = (self.last_errors + [msg])[-20:]
+
+    def cluster_view(self) -> dict:
+        p = self.policy
+        return {"router": {"role": "router", "pid": os.getpid(), "health": "ok"},
+                "workers": [w.view() for w in self.prefill + self.decode],
+                "policy": {"threshold": p.t, "link_gbps": self.cfg.link_gbps,
+                           "egress_gbps": self.egress.gbps(), "link_util": p.link_util,
+                           "remote_queue_s": p.remote_queue_s,
+                           "local_queue_s": p.local_queue_s, "remote_up": p.remote_up,
+                           "forced": self.cfg.force},
+                "counts": dict(self.counts), "fallback_reasons": dict(self.fallback_reasons),
+                "pd_split": self.pd, "last_errors": self.last_errors[-5:]}
+
+    # -- picking workers ---------------------------------------------------------------
+    def _pick(self, pool: list[Worker], exclude=(), cap: int | None = None,
+              need_transfer: bool = False) -> Worker | None:
+        ok = [w for w in pool if w.healthy and w.url not in exclude
+              and (cap is None or w.inflight < cap)
+              and (not need_transfer or w.info.get("transfer_address"))]
+        if not ok:
+            return None
+        k = next(self._rr)
+        return min(ok, key=lambda w: (w.inflight, (pool.index(w) + k) % len(pool)))
+
+    # -- request paths -----------------------------------------------------------------
+    async def generate(self, ids: list[int], params: SamplingParams, rid: str):
+        """Async iterator of StepOutputs for one request, by whichever path works.
+
+        Raises APIError before the first output when nothing can serve it, and
+        :class:`_WorkerFailed` (with ``sent`` > 0) when a decode worker dies mid-stream.
+        """
+        target = self.cfg.force or self.policy.route(len(ids), None,
+                                                     time.monotonic() - self.t0).target
+        if target == "remote":
+            p = self._pick(self.prefill, cap=self.cfg.max_remote_inflight)
+            d = self._pick(self.decode, need_transfer=True)
+            if p is None or d is None:
+                self._fallback("remote pool saturated or down" if p is None
+                               else "no decode worker for a shipped state")
+            else:
+                self.counts["remote"] += 1
+                sent = 0
+                try:
+                    async for o in self._remote(p, d, ids, params, rid):
+                        sent += 1
+                        self.counts["remote_ok"] += o.finished
+                        yield o
+                    return
+                except _Fallback as e:
+                    self._fallback(str(e))
+                except _WorkerFailed as e:
+                    if e.sent or sent:
+                        raise
+                    self._fallback(str(e))
+        self.counts["local"] += 1
+        tried: set[str] = set()
+        errors = []
+        while True:
+            w = self._pick(self.decode, exclude=tried)
+            if w is None:
+                break
+            tried.add(w.url)
+            sent = 0
+            try:
+                async for o in self._stream(w, ids, params, rid, prefilled=False):
+                    sent += 1
+                    yield o
+                return
+            except _WorkerFailed as e:
+                if sent:
+                    raise _WorkerFailed(str(e), sent) from None
+                errors.append(str(e))
+                self.counts["decode_retries"] += 1
+        self.counts["failed"] += 1
+        msg = "; ".join(errors) or "no healthy decode worker"
+        raise APIError(f"No worker could serve the request: {msg}", status=503,
+                       type="server_error", code="no_worker_available")
+
+    def _fallback(self, reason: str) -> None:
+        self.counts["fallback_local"] += 1
+        key = reason.split(":")[0][:80]
+        self.fallback_reasons[key] = self.fallback_reasons.get(key, 0) + 1
+        self._error(f"fallback to local: {reason}")
+
+    async def _lines(self, w: Worker, resp, rid: str, sent0: int = 0):
+        """Parsed NDJSON lines of a decode worker's stream; _WorkerFailed on loss."""
+        sent = sent0
+        try:
+            async for line in resp.aiter_lines():
+                if not line:
+                    continue
+                d = json.loads(line)
+                if "error" in d:
+                    if d.get("kind") == "invalid":
+                        raise APIError(d["error"], param=_param_of(d["error"]))
+                    raise _WorkerFailed(f"decode worker {w.url}: {d['error']}", sent)
+                sent += 1
+                yield d
+                if d["finished"]:
+                    return
+        except (httpx.HTTPError, json.JSONDecodeError) as e:
+            w.healthy, w.error = False, f"{type(e).__name__}: {e}"
+            raise _WorkerFailed(f"decode worker {w.url} failed: {type(e).__name__}: {e}",
+                                sent) from None
+        raise _WorkerFailed(f"decode worker {w.url} ended the stream early", sent)
+
+    def _body(self, ids, params, rid, prefilled):
+        return {"request_id": rid, "prompt_ids": ids, "params": params.__dict__,
+                "prefilled": prefilled, "transfer_timeout_s": self.cfg.transfer_timeout_s}
+
+    async def _open(self, w: Worker, body: dict):
+        try:
+            req = self.http.build_request("POST", f"{w.url}/internal/generate", json=body)
+            resp = await self.http.send(req, stream=True)
+        except httpx.HTTPError as e:
+            w.healthy, w.error = False, f"{type(e).__name__}: {e}"
+            raise _WorkerFailed(f"decode worker {w.url} unreachable: {e!r}", 0) from None
+        if resp.status_code != 200:
+            text = (await resp.aread()).decode(errors="replace")[:300]
+            await resp.aclose()
+            raise _WorkerFailed(f"decode worker {w.url}: HTTP {resp.status_code} {text}", 0)
+        return resp
+
+    async def _stream(self, w: Worker, ids, params, rid, prefilled):
+        w.inflight += 1
+        resp = None
+        try:
+            resp = await self._open(w, self._body(ids, params, rid, prefilled))
+            async for d in self._lines(w, resp, rid):
+                yield _out(d, rid)
+        finally:
+            w.inflight -= 1
+            if resp is not None:
+                await resp.aclose()
+
+    async def _remote(self, p: Worker, d: Worker, ids, params, rid):
+        p.inflight += 1
+        d.inflight += 1
+        resp = prefill = first = None
+        try:
+            resp = await self._open(d, self._body(ids, params, rid, True))
+            lines = self._lines(d, resp, rid)
+            prefill = asyncio.ensure_future(self.http.post(
+                f"{p.url}/internal/prefill", timeout=self.cfg.transfer_timeout_s + 60,
+                json={"request_id": rid, "prompt_ids": ids, "params": params.__dict__,
+                      "dest": d.info["transfer_address"]}))
+            first = asyncio.ensure_future(anext(lines))
+            done, _ = await asyncio.wait({prefill, first}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill in done and first not in done:
+                self._check_prefill(p, prefill)
+            try:
+                line = await first
+            except _WorkerFailed as e:
+                if prefill.done():
+                    self._check_prefill(p, prefill)
+                raise _Fallback(str(e)) from None
+            yield _out(line, rid)
+            async for x in lines:
+                yield _out(x, rid)
+        finally:
+            p.inflight -= 1
+            d.inflight -= 1
+            for t in (first, prefill):
+                if t is not None and not t.done():
+                    t.cancel()
+            if prefill is not None and prefill.done() and not prefill.cancelled() \
+                    and prefill.exception() is None and prefill.result().status_code == 200:
+                self.egress.add(int(prefill.result().json().get("bytes", 0)))
+            if resp is not None:
+                await resp.aclose()
+
+    def _check_prefill(self, p: Worker, task) -> None:
+        err = task.exception()
+        if err is not None:
+            if isinstance(err, httpx.TransportError):
+                p.healthy, p.error = False, f"{type(err).__name__}: {err}"
+            raise _Fallback(f"prefill worker {p.url} failed: {type(err).__name__}: {err}")
+        r = task.result()
+        if r.status_code != 200:
+            raise _Fallback(f"prefill worker {p.url}: HTTP {r.status_code} {r.text[:200]}")
+
+
+def _sampling(req, n_prompt: int, max_tokens: int | None, logprobs: int | None,
+              max_len: int, extra_stop: tuple[str, ...] = (), prompt_param: str = "prompt"
+              ) -> SamplingParams:
+    """Request fields -> SamplingParams, with the same checks and messages as
+    :func:`hyla.serve.api.create_app`'s."""
+    if n_prompt == 0:
+        raise APIError("The prompt is empty: it must hold at least one token",
+                       param=prompt_param)
+    if n_prompt >= max_len:
+        raise APIError(f"This model's maximum context length is {max_len} tokens; the "
+                       f"prompt has {n_prompt}", param=prompt_param,
+                       code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = max_len - n_prompt
+    if max_tokens < 1:
+        raise APIError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+    if n_prompt + max_tokens > max_len:
+        raise APIError(f"This model's maximum context length is {max_len} tokens; you "
+                       f"requested {n_prompt + max_tokens} ({n_prompt} in the prompt, "
+                       f"{max_tokens} for the completion)", param="max_tokens",
+                       code="context_length_exceeded")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+            top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else req.top_p,
+            seed=req.seed, stop=req.stop_list + extra_stop,
+            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+            logprobs=logprobs)
+    except ValueError as e:
+        raise APIError(str(e), param=_param_of(str(e))) from None
+
+
+def _error_event(msg: str) -> str:
+    return f"data: {json.dumps(error_body(msg, 'server_error'))}\n\n"
+
+
+def create_router_app(router: LiveRouter) -> FastAPI:
+    """The router's FastAPI app: the OpenAI API of :mod:`hyla.serve.api`, plus
+    ``GET /cluster``."""
+    cfg, tok = router.cfg, router.tok
+    app = FastAPI(title="hyla router", description="Prefill-as-a-Service router",
+                  on_startup=[router.start], on_shutdown=[router.close])
+    created = int(time.time())
+    if cfg.api_key:
+        app.add_middleware(_APIKey, key=cfg.api_key)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return JSONResponse(_validation_error(exc).body(), 400)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        return JSONResponse(error_body(f"internal error: {exc!r}", "server_error"), 500)
+
+    def check_model(name):
+        if name is not None and name != cfg.model_name:
+            raise APIError(f"The model {name!r} does not exist: this server serves "
+                           f"{cfg.model_name!r}", param="model", code="model_not_found")
+
+    async def run(req, ids, params, fmt: Formatter):
+        if req.stream:
+            gen = router.generate(ids, params, fmt.id)
+            try:
+                first = await anext(gen)
+            except _WorkerFailed as e:
+                raise APIError(str(e), status=503, type="server_error") from None
+            return StreamingResponse(_events(fmt, first, gen),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        errors = []
+        for _ in range(3):            # a decode worker lost mid-request: run it again
+            r = Result()
+            try:
+                async for out in router.generate(ids, params, fmt.id):
+                    r.add(out)
+                return fmt.response(r)
+            except _WorkerFailed as e:
+                errors.append(str(e))
+                router.counts["decode_retries"] += 1
+        router.counts["failed"] += 1
+        raise APIError("The request failed on every path: " + "; ".join(errors), status=503,
+                       type="server_error")
+
+    async def _events(fmt, first, gen):
+        try:
+            async for event in fmt.stream(first, gen):
+                yield event
+        except _WorkerFailed as e:
+            router.counts["failed_mid_stream"] += 1
+            router._error(str(e))
+            yield _error_event(f"The stream was interrupted: {e}. The output so far is "
+                               "incomplete; retry the request.")
+        except APIError as e:
+            yield _error_event(e.message)
+        finally:
+            await gen.aclose()
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        check_model(req.model)
+        req.check_unsupported()
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) > 1:
+                raise APIError(f"Batched prompts are not supported ({len(prompt)} prompts): "
+                               "send one request per prompt", param="prompt")
+            prompt = prompt[0]
+        ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        params = _sampling(req, len(ids), req.max_tokens, req.logprobs, cfg.max_model_len)
+        fmt = Formatter(tok, f"cmpl-{uuid.uuid4().hex}", cfg.model_name, chat=False,
+                        logprobs=req.logprobs, include_usage=_usage(req))
+        return await run(req, ids, params, fmt)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest):
+        check_model(req.model)
+        req.check_unsupported()
+        text, stops = render_chat(tok, [{"role": m.role, "content": m.text}
+                                        for m in req.messages])
+        ids = tok.encode(text)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        params = _sampling(req, len(ids), max_tokens, logprobs, cfg.max_model_len, stops,
+                           prompt_param="messages")
+        fmt = Formatter(tok, f"chatcmpl-{uuid.uuid4().hex}", cfg.model_name, chat=True,
+                        logprobs=logprobs, include_usage=_usage(req))
+        return await run(req, ids, params, fmt)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model",
+                                            "created": created, "owned_by": "hyla",
+                                            "max_model_len": cfg.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        up = sum(w.healthy for w in router.decode)
+        body = {"status": "ok" if up else "error", "model": cfg.model_name,
+                "decode_workers_up": up,
+                "prefill_workers_up": sum(w.healthy for w in router.prefill)}
+        return JSONResponse(body, 200 if up else 503)
+
+    @app.get("/cluster")
+    async def cluster():
+        return router.cluster_view()
+
+    @app.get("/metrics")
+    async def metrics():
+        lines = [f"hyla_router_requests_total{{path=\"{k}\"}} {v}"
+                 for k, v in router.counts.items()]
+        lines.append(f"hyla_router_threshold_tokens {router.policy.t}")
+        lines.append(f"hyla_router_egress_gbps {router.egress.gbps()}")
+        return Response("\n".join(lines) + "\n", media_type="text/plain")
+
+    return app

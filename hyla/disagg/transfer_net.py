@@ -1,0 +1,278 @@
+"""The sockets of a state transfer: :class:`StateSender` (prefill side, zmq PUSH) and
+:class:`StateReceiver` (decode side, zmq PULL). The wire format and its checks live in
+:mod:`hyla.disagg.transfer`.
+
+Each side owns one background thread that alone touches its zmq sockets (they are not
+thread-safe). The sender's thread also flattens, checksums and paces each layer, so the
+prefill thread that calls :meth:`Outgoing.layer` goes straight on to the next layer:
+transfer overlaps compute.
+
+Example:
+    >>> import asyncio
+    >>> from hyla.model import preset
+    >>> from hyla.model.state import SequenceState
+    >>> st = SequenceState.empty(preset("debug"))
+    >>> rx = StateReceiver("fp", st.kinds)
+    >>> tx = StateSender("fp")
+    >>> out = tx.start("r1", rx.address, st.kinds, 0)
+    >>> for i, ts in enumerate(st.tensors): out.layer(i, st.kinds[i], ts)
+    >>> out.end(first_token=3); out.wait(10)["layers"]
+    4
+    >>> asyncio.run(rx.wait("r1", 10)).first_token
+    3
+    >>> tx.close(); rx.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import threading
+import time
+import zlib
+
+import zmq
+
+from hyla.disagg.transfer import (
+    EgressMeter,
+    LinkLimiter,
+    Transfer,
+    TransferAssembler,
+    TransferError,
+    _header,
+    layer_buffer,
+)
+
+
+class Outgoing:
+    """One transfer being sent; methods enqueue and return at once."""
+
+    def __init__(self, sender: StateSender, rid: str, dest: str):
+        self.sender, self.rid, self.dest = sender, rid, dest
+        self.done = threading.Event()
+        self.stats = {"bytes": 0, "layers": 0, "seconds": 0.0, "error": None}
+        self.t0 = time.perf_counter()
+
+    def layer(self, index: int, kind: str, tensors: tuple) -> None:
+        """Queue layer ``index`` (``tensors`` must not change afterwards: pass copies)."""
+        self.sender._q.put((self, "layer", (index, kind, tensors)))
+
+    def end(self, first_token: int, logprob: dict | None = None) -> None:
+        self.sender._q.put((self, "end", (first_token, logprob)))
+
+    def abort(self, reason: str) -> None:
+        self.sender._q.put((self, "abort", reason))
+
+    def wait(self, timeout: float | None = None) -> dict:
+        """Block until every message was handed to zmq; the transfer's stats."""
+        if not self.done.wait(timeout):
+            raise TransferError(f"transfer of {self.rid!r} not sent within {timeout} s")
+        return self.stats
+
+
+class StateSender:
+    """Sends states to decode workers' :class:`StateReceiver` addresses.
+
+    ``link_gbps`` paces the bytes (None: unlimited). ``faults`` (a dict, for tests) may hold
+    ``corrupt`` (flip a byte of the next transfer's layer 0), ``drop_after_layer`` (send
+    layers up to that index of the next transfer, then nothing more: a stalled transfer)
+    and ``fingerprint`` (announce this instead: a mismatched model).
+    """
+
+    def __init__(self, fingerprint: str, link_gbps: float | None = None):
+        self.fingerprint = fingerprint
+        self.limiter = LinkLimiter(link_gbps)
+        self.meter = EgressMeter()
+        self.faults: dict = {}
+        self._ctx = zmq.Context.instance()
+        self._socks: dict[str, zmq.Socket] = {}
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._dropping: set[str] = set()
+        self._thread = threading.Thread(target=self._loop, name="hyla-sender", daemon=True)
+        self._thread.start()
+
+    def start(self, rid: str, dest: str, kinds: list[str], num_tokens: int) -> Outgoing:
+        out = Outgoing(self, rid, dest)
+        self._q.put((out, "begin", (list(kinds), int(num_tokens))))
+        return out
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=5)
+
+    def _sock(self, dest: str) -> zmq.Socket:
+        s = self._socks.get(dest)
+        if s is None:
+            s = self._ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(dest)
+            self._socks[dest] = s
+        return s
+
+    def _send(self, out: Outgoing, frames: list) -> None:
+        if out.rid in self._dropping:
+            return
+        n = sum(memoryview(f).nbytes for f in frames)
+        self.limiter.acquire(n)
+        self._sock(out.dest).send_multipart(frames, copy=False)
+        self.meter.add(n)
+        out.stats["bytes"] += n
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                break
+            out, kind, arg = item
+            try:
+                self._handle(out, kind, arg)
+            except Exception as e:  # noqa: BLE001 - reported to the waiting prefill job
+                out.stats["error"] = repr(e)
+                out.done.set()
+        for s in self._socks.values():
+            s.close(linger=0)
+
+    def _handle(self, out: Outgoing, kind: str, arg) -> None:
+        f, rid = self.faults, out.rid
+        if kind == "begin":
+            kinds, n = arg
+            fp = f.pop("fingerprint", None) or self.fingerprint
+            out.num_tokens = n
+            out.corrupt = f.pop("corrupt", False)
+            out.drop_after = f.pop("drop_after_layer", None)
+            self._send(out, [_header(type="begin", rid=rid, fingerprint=fp, kinds=kinds,
+                                     num_tokens=n)])
+        elif kind == "layer":
+            i, lk, tensors = arg
+            buf = layer_buffer(lk, tensors, out.num_tokens).numpy()
+            crc = zlib.crc32(buf)
+            if getattr(out, "corrupt", False) and i == 0:
+                buf = buf.copy()
+                buf[-1] ^= 0xFF
+            self._send(out, [_header(type="layer", rid=rid, index=i, nbytes=buf.nbytes,
+                                     crc=crc), buf])
+            out.stats["layers"] += 1
+            if out.drop_after is not None and i >= out.drop_after:
+                self._dropping.add(rid)
+        else:
+            if kind == "end":
+                first, lp = arg
+                self._send(out, [_header(type="end", rid=rid, first_token=first, logprob=lp,
+                                         num_layers=out.stats["layers"])])
+            else:
+                self._send(out, [_header(type="abort", rid=rid, reason=str(arg))])
+            self._dropping.discard(rid)
+            out.stats["seconds"] = time.perf_counter() - out.t0
+            out.done.set()
+
+
+class StateReceiver:
+    """Binds a zmq PULL socket and collects verified transfers for :meth:`wait`.
+
+    ``bind``: a zmq endpoint; port 0 picks a free port (see ``address``). Transfers that
+    receive nothing for ``stall_s`` are rejected; finished results are kept ``keep_s``
+    seconds for a waiter that has not asked yet.
+    """
+
+    def __init__(self, fingerprint: str, kinds: list[str], bind: str = "tcp://127.0.0.1:0",
+                 stall_s: float = 30.0, keep_s: float = 120.0, advertise_host: str | None = None):
+        self._asm = TransferAssembler(fingerprint, kinds)
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        host, _, port = bind.rpartition(":")
+        if port == "0":
+            port = str(self._sock.bind_to_random_port(host))
+        else:
+            self._sock.bind(bind)
+        adv = advertise_host or host.removeprefix("tcp://")
+        self.address = f"tcp://{adv}:{port}"
+        self.stall_s, self.keep_s = stall_s, keep_s
+        self._lock = threading.Lock()
+        self._done: dict[str, tuple[float, Transfer | TransferError]] = {}
+        self._waiters: dict[str, tuple] = {}
+        self.stats = {"completed": 0, "rejected": 0, "bytes": 0, "last_error": None}
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="hyla-receiver", daemon=True)
+        self._thread.start()
+
+    async def wait(self, rid: str, timeout: float) -> Transfer:
+        """The verified transfer of ``rid``; TransferError if rejected or not complete in
+        ``timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._lock:
+            hit = self._done.pop(rid, None)
+            if hit is None:
+                self._waiters[rid] = (loop, fut)
+        if hit is not None:
+            return _result(hit[1])
+        try:
+            return _result(await asyncio.wait_for(fut, timeout))
+        except TimeoutError:
+            msg = f"transfer of {rid!r} did not complete within {timeout:g} s (stalled or lost)"
+            self._finish(rid, TransferError(msg))
+            raise TransferError(msg) from None
+        finally:
+            with self._lock:
+                self._waiters.pop(rid, None)
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(timeout=5)
+
+    def _finish(self, rid: str, result) -> None:
+        if isinstance(result, TransferError):
+            with self._lock:
+                self._asm._reject(rid, str(result))
+            self.stats["rejected"] += 1
+            self.stats["last_error"] = str(result)
+        else:
+            self.stats["completed"] += 1
+            self.stats["bytes"] += result.nbytes
+        with self._lock:
+            w = self._waiters.pop(rid, None)
+            if w is None:
+                self._done[rid] = (time.monotonic(), result)
+        if w is not None:
+            loop, fut = w
+            loop.call_soon_threadsafe(_set, fut, result)
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        last_sweep = time.monotonic()
+        while not self._stop:
+            if poller.poll(100):
+                frames = self._sock.recv_multipart(copy=False)
+                with self._lock:
+                    r = self._asm.feed([f.buffer for f in frames])
+                if r is not None:
+                    self._finish(r.request_id, r)
+            now = time.monotonic()
+            if now - last_sweep > 1.0:
+                last_sweep = now
+                with self._lock:
+                    stale = self._asm.expire(self.stall_s, now)
+                    for rid in [r for r, (t, _) in self._done.items() if now - t > self.keep_s]:
+                        del self._done[rid]
+                for e in stale:
+                    self._finish(e.request_id, e)
+        self._sock.close(linger=0)
+
+
+def _set(fut, result) -> None:
+    if not fut.done():
+        fut.set_result(result)
+
+
+def _result(r):
+    if isinstance(r, TransferError):
+        raise r
+    return r
+
+
+def fault_injection_enabled() -> bool:
+    """Test-only fault endpoints exist only with ``HYLA_FAULTS=1`` in the environment."""
+    return os.environ.get("HYLA_FAULTS") == "1"

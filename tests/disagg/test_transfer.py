@@ -1,0 +1,221 @@
+"""State transfer: the wire format's checks, real zmq sockets, layer-wise overlap, pacing."""
+
+import asyncio
+import json
+import time
+
+import pytest
+import torch
+import zmq
+
+from hyla.disagg.transfer import (
+    LinkLimiter,
+    Transfer,
+    TransferAssembler,
+    TransferError,
+    encode_transfer,
+    model_fingerprint,
+)
+from hyla.disagg.transfer_net import StateReceiver, StateSender
+from hyla.disagg.worker_prefill import PrefillService
+from hyla.model import HylaLM, preset
+from hyla.model.state import SequenceState
+from hyla.serve.runner import Runner
+from hyla.serve.sequence import SamplingParams
+
+FP = "fp-test"
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return HylaLM(preset("debug")).eval()
+
+
+@pytest.fixture(scope="module")
+def state(model):
+    st = SequenceState.empty(model.cfg)
+    with torch.no_grad():
+        model.prefill(torch.arange(1, 38), st)       # 37 tokens: attention rows too
+    return st
+
+
+def _feed(asm, msgs):
+    results = [asm.feed(m) for m in msgs]
+    return [r for r in results if r is not None]
+
+
+def _same(a: SequenceState, b: SequenceState) -> bool:
+    return a.kinds == b.kinds and a.num_tokens == b.num_tokens and all(
+        torch.equal(x, y) for xs, ys in zip(a.tensors, b.tensors, strict=True)
+        for x, y in zip(xs, ys, strict=True))
+
+
+def test_roundtrip_verifies_every_layer(state):
+    (done,) = _feed(TransferAssembler(FP, state.kinds), encode_transfer("r", FP, state, 5))
+    assert isinstance(done, Transfer) and done.first_token == 5
+    assert _same(done.state, state) and done.nbytes >= state.nbytes
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "fingerprint", "layout",
+                                    "missing_layer", "duplicate_layer", "no_begin", "abort"])
+def test_bad_transfers_are_rejected(state, damage):
+    msgs = encode_transfer("r", FP, state, 5)
+    kinds = list(state.kinds)
+    if damage == "corrupt":
+        buf = msgs[2][1].copy()
+        buf[len(buf) // 2] ^= 0x55
+        msgs[2][1] = buf
+    elif damage == "truncated":
+        msgs[2][1] = msgs[2][1][:-64]
+    elif damage == "fingerprint":
+        msgs = encode_transfer("r", "other-model", state, 5)
+    elif damage == "layout":
+        kinds = ["gla"] * len(kinds)
+    elif damage == "missing_layer":
+        del msgs[3]
+    elif damage == "duplicate_layer":
+        msgs.insert(3, msgs[2])
+    elif damage == "no_begin":
+        del msgs[0]
+    elif damage == "abort":
+        head = json.loads(msgs[-1][0])
+        msgs[-1] = [json.dumps({"v": 1, "type": "abort", "rid": head["rid"],
+                                "reason": "boom"}).encode()]
+    out = _feed(TransferAssembler(FP, kinds), msgs)
+    assert len(out) == 1 and isinstance(out[0], TransferError), out
+    assert "rejected" in str(out[0]) and out[0].request_id == "r"
+
+
+def test_layer_with_wrong_inner_layout_is_rejected(state):
+    msgs = encode_transfer("r", FP, state, 5)
+    other = encode_transfer("r", FP, state, 5)
+    msgs[1] = other[4]                                  # attention layer in a GLA slot
+    head = json.loads(msgs[1][0]) | {"index": 0}
+    msgs[1] = [json.dumps(head).encode(), msgs[1][1]]
+    (err,) = _feed(TransferAssembler(FP, state.kinds), msgs)
+    assert isinstance(err, TransferError) and "layer 0" in str(err)
+
+
+def test_stalled_transfer_expires(state):
+    asm = TransferAssembler(FP, state.kinds)
+    _feed(asm, encode_transfer("r", FP, state, 5)[:2], )
+    assert asm.expire(5.0, now=time.monotonic() + 1) == []
+    (err,) = asm.expire(5.0, now=time.monotonic() + 10)
+    assert "stalled" in str(err)
+    assert asm.feed(encode_transfer("r", FP, state, 5)[2]) is None    # late: dropped
+
+
+def test_fingerprint_tracks_weights(model):
+    fp = model_fingerprint(model)
+    other = HylaLM(preset("debug"))
+    assert model_fingerprint(other) != fp and len(fp) == 16
+
+
+def test_sockets_roundtrip_and_faults(state):
+    rx = StateReceiver(FP, state.kinds, stall_s=1.0)
+    tx = StateSender(FP)
+
+    def send(rid):
+        out = tx.start(rid, rx.address, state.kinds, state.num_tokens)
+        for i, ts in enumerate(state.tensors):
+            out.layer(i, state.kinds[i], ts)
+        out.end(9, {"token": 9, "logprob": -0.5, "top": []})
+        return out.wait(10)
+
+    async def run():
+        send("ok")
+        got = await rx.wait("ok", 10)
+        assert _same(got.state, state) and got.first_token == 9
+        tx.faults["corrupt"] = True
+        send("bad")
+        with pytest.raises(TransferError, match="checksum"):
+            await rx.wait("bad", 10)
+        tx.faults["fingerprint"] = "someone-else"
+        send("alien")
+        with pytest.raises(TransferError, match="fingerprint"):
+            await rx.wait("alien", 10)
+        tx.faults["drop_after_layer"] = 1
+        send("stall")
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="stalled|did not complete"):
+            await rx.wait("stall", 0.8)
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(TransferError, match="did not complete"):
+            await rx.wait("never-sent", 0.3)
+        send("after")                                  # the pipe still works
+        assert (await rx.wait("after", 10)).first_token == 9
+    try:
+        asyncio.run(run())
+        assert rx.stats["completed"] == 2 and rx.stats["rejected"] >= 3
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_limiter_paces_bytes():
+    lim = LinkLimiter(gbps=0.04)                       # 5 MB/s
+    t0 = time.perf_counter()
+    for _ in range(10):
+        lim.acquire(100_000)                           # 1 MB in all: about 0.2 s
+    dt = time.perf_counter() - t0
+    assert 0.18 <= dt < 2.0
+    with pytest.raises(ValueError, match="link_gbps"):
+        LinkLimiter(0)
+
+
+def test_sender_limiter_and_egress_meter(state):
+    rx = StateReceiver(FP, state.kinds)
+    tx = StateSender(FP, link_gbps=0.004)              # 0.5 MB/s
+    try:
+        nbytes = sum(len(m[1]) for m in encode_transfer("x", FP, state, 0) if len(m) == 2)
+        out = tx.start("x", rx.address, state.kinds, state.num_tokens)
+        for i, ts in enumerate(state.tensors):
+            out.layer(i, state.kinds[i], ts)
+        out.end(0)
+        t0 = time.perf_counter()
+        stats = out.wait(30)
+        expected = nbytes * 8 / 0.004e9
+        assert time.perf_counter() - t0 >= 0.7 * expected
+        assert stats["bytes"] >= nbytes and tx.meter.total == stats["bytes"]
+        assert tx.meter.gbps() > 0
+        asyncio.run(rx.wait("x", 10))
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_prefill_service_ships_layers_while_computing(model):
+    """Layer 0 arrives while later layers still compute (each takes >= 0.25 s here), and
+    the shipped state and first token equal a local prefill's."""
+    svc = PrefillService(model, max_model_len=128)
+    svc.faults["layer_delay_s"] = 0.25
+    ctx = zmq.Context.instance()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    prompt = list(range(3, 40))
+    try:
+        import threading
+
+        res = {}
+        th = threading.Thread(target=lambda: res.update(svc.run_sync(
+            "r", prompt, SamplingParams(temperature=0), f"tcp://127.0.0.1:{port}")))
+        th.start()
+        arrivals, msgs = [], []
+        while len(msgs) < 2 + len(svc.kinds):
+            assert pull.poll(30_000), "transfer did not arrive"
+            msgs.append(pull.recv_multipart())
+            arrivals.append(time.monotonic())
+        th.join(30)
+        first_layer, end = arrivals[1], arrivals[-1]
+        assert end - first_layer >= 0.5, arrivals      # >= 2 later layers' compute
+        (done,) = _feed(TransferAssembler(svc.fingerprint, svc.kinds), msgs)
+        runner = Runner(model, max_num_seqs=1, num_kv_blocks=8)
+        logits = runner.prefill([(0, prompt, 0, [0, 1, 2])])
+        ref = runner.extract(0, len(prompt), [0, 1, 2])
+        assert _same(done.state, ref)
+        assert done.first_token == res["first_token"] == int(logits[0].argmax())
+        assert res["layers"] == len(svc.kinds) and res["bytes"] > ref.nbytes
+    finally:
+        pull.close(linger=0)
+        svc.close()
