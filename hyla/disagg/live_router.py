@@ -37,7 +37,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hyla.disagg.router import PrfaasRouter, RouterConfig, recommend_pd_split
 from hyla.disagg.transfer import EgressMeter
-from hyla.serve.api import _APIKey, _param_of, _usage, _validation_error
+from hyla.serve.api import (
+    APIKeyMiddleware,
+    param_of,
+    sampling_params,
+    validation_error,
+    wants_usage,
+)
 from hyla.serve.api_format import Formatter, Result, render_chat
 from hyla.serve.api_schemas import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from hyla.serve.engine import StepOutput
@@ -285,7 +291,7 @@ class LiveRouter:
                 d = json.loads(line)
                 if "error" in d:
                     if d.get("kind") == "invalid":
-                        raise APIError(d["error"], param=_param_of(d["error"]))
+                        raise APIError(d["error"], param=param_of(d["error"]))
                     raise _WorkerFailed(f"decode worker {w.url}: {d['error']}", sent)
                 sent += 1
                 yield d
@@ -373,38 +379,6 @@ class LiveRouter:
             raise _Fallback(f"prefill worker {p.url}: HTTP {r.status_code} {r.text[:200]}")
 
 
-def _sampling(req, n_prompt: int, max_tokens: int | None, logprobs: int | None,
-              max_len: int, extra_stop: tuple[str, ...] = (), prompt_param: str = "prompt"
-              ) -> SamplingParams:
-    """Request fields -> SamplingParams, with the same checks and messages as
-    :func:`hyla.serve.api.create_app`'s."""
-    if n_prompt == 0:
-        raise APIError("The prompt is empty: it must hold at least one token",
-                       param=prompt_param)
-    if n_prompt >= max_len:
-        raise APIError(f"This model's maximum context length is {max_len} tokens; the "
-                       f"prompt has {n_prompt}", param=prompt_param,
-                       code="context_length_exceeded")
-    if max_tokens is None:
-        max_tokens = max_len - n_prompt
-    if max_tokens < 1:
-        raise APIError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
-    if n_prompt + max_tokens > max_len:
-        raise APIError(f"This model's maximum context length is {max_len} tokens; you "
-                       f"requested {n_prompt + max_tokens} ({n_prompt} in the prompt, "
-                       f"{max_tokens} for the completion)", param="max_tokens",
-                       code="context_length_exceeded")
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-            top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else req.top_p,
-            seed=req.seed, stop=req.stop_list + extra_stop,
-            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-            logprobs=logprobs)
-    except ValueError as e:
-        raise APIError(str(e), param=_param_of(str(e))) from None
-
-
 def _error_event(msg: str) -> str:
     return f"data: {json.dumps(error_body(msg, 'server_error'))}\n\n"
 
@@ -417,7 +391,7 @@ def create_router_app(router: LiveRouter) -> FastAPI:
                   on_startup=[router.start], on_shutdown=[router.close])
     created = int(time.time())
     if cfg.api_key:
-        app.add_middleware(_APIKey, key=cfg.api_key)
+        app.add_middleware(APIKeyMiddleware, key=cfg.api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -425,7 +399,7 @@ def create_router_app(router: LiveRouter) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        return JSONResponse(_validation_error(exc).body(), 400)
+        return JSONResponse(validation_error(exc).body(), 400)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
@@ -485,9 +459,9 @@ def create_router_app(router: LiveRouter) -> FastAPI:
                                "send one request per prompt", param="prompt")
             prompt = prompt[0]
         ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        params = _sampling(req, len(ids), req.max_tokens, req.logprobs, cfg.max_model_len)
+        params = sampling_params(req, len(ids), req.max_tokens, req.logprobs, cfg.max_model_len)
         fmt = Formatter(tok, f"cmpl-{uuid.uuid4().hex}", cfg.model_name, chat=False,
-                        logprobs=req.logprobs, include_usage=_usage(req))
+                        logprobs=req.logprobs, include_usage=wants_usage(req))
         return await run(req, ids, params, fmt)
 
     @app.post("/v1/chat/completions")
@@ -500,10 +474,10 @@ def create_router_app(router: LiveRouter) -> FastAPI:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
-        params = _sampling(req, len(ids), max_tokens, logprobs, cfg.max_model_len, stops,
+        params = sampling_params(req, len(ids), max_tokens, logprobs, cfg.max_model_len, stops,
                            prompt_param="messages")
         fmt = Formatter(tok, f"chatcmpl-{uuid.uuid4().hex}", cfg.model_name, chat=True,
-                        logprobs=logprobs, include_usage=_usage(req))
+                        logprobs=logprobs, include_usage=wants_usage(req))
         return await run(req, ids, params, fmt)
 
     @app.get("/v1/models")

@@ -148,7 +148,7 @@ class PrefillService:
             if i in r.states:
                 tensors = (r.states[i][0].clone(),)
             else:
-                tensors = tuple(t.clone() for t in r._gather(i, table, n))
+                tensors = tuple(t.clone() for t in r.layer_kv(i, table, n))
             out.layer(i, self.kinds[i], tensors)
 
         t0 = time.perf_counter()

@@ -50,7 +50,7 @@ class _ClientGone(Exception):
     pass
 
 
-class _APIKey:
+class APIKeyMiddleware:
     """ASGI middleware: ``/v1/*`` needs ``Authorization: Bearer <key>``. (Pure ASGI, not
     BaseHTTPMiddleware, so streaming responses still see client disconnects.)"""
 
@@ -70,7 +70,7 @@ class _APIKey:
         await self.app(scope, receive, send)
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
+def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
@@ -87,11 +87,45 @@ def _loc(loc) -> str:
     return ".".join(str(x) for x in loc[1:] if not _TAG.match(str(x)))
 
 
-def _param_of(message: str) -> str | None:
+def param_of(message: str) -> str | None:
     word = message.split(" ", 1)[0]
     if word in _PARAMS:
         return word
     return "prompt" if "prompt" in message else None
+
+
+def sampling_params(req, n_prompt: int, max_tokens: int | None, logprobs: int | None,
+              max_len: int, extra_stop: tuple[str, ...] = (), prompt_param: str = "prompt"
+              ) -> SamplingParams:
+    """Request fields -> SamplingParams; APIError (HTTP 400) naming the field on bad input.
+
+    Shared by this server and the disaggregated router, so both answer alike."""
+    if n_prompt == 0:
+        raise APIError("The prompt is empty: it must hold at least one token",
+                       param=prompt_param)
+    if n_prompt >= max_len:
+        raise APIError(f"This model's maximum context length is {max_len} tokens; the "
+                       f"prompt has {n_prompt}", param=prompt_param,
+                       code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = max_len - n_prompt
+    if max_tokens < 1:
+        raise APIError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+    if n_prompt + max_tokens > max_len:
+        raise APIError(f"This model's maximum context length is {max_len} tokens; you "
+                       f"requested {n_prompt + max_tokens} ({n_prompt} in the prompt, "
+                       f"{max_tokens} for the completion)", param="max_tokens",
+                       code="context_length_exceeded")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+            top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else req.top_p,
+            seed=req.seed, stop=req.stop_list + extra_stop,
+            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+            logprobs=logprobs)
+    except ValueError as e:
+        raise APIError(str(e), param=param_of(str(e))) from None
+
 
 
 def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None) -> FastAPI:
@@ -104,7 +138,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     max_len = engine.engine.config.max_model_len
     created = int(time.time())
     if api_key:
-        app.add_middleware(_APIKey, key=api_key)
+        app.add_middleware(APIKeyMiddleware, key=api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -112,7 +146,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        err = _validation_error(exc)
+        err = validation_error(exc)
         return JSONResponse(err.body(), 400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -129,36 +163,6 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         if name is not None and name != model_name:
             raise APIError(f"The model {name!r} does not exist: this server serves "
                            f"{model_name!r}", param="model", code="model_not_found")
-
-    def sampling(req, n_prompt: int, max_tokens: int | None, logprobs: int | None,
-                 extra_stop: tuple[str, ...] = (), prompt_param: str = "prompt"
-                 ) -> SamplingParams:
-        if n_prompt == 0:
-            raise APIError("The prompt is empty: it must hold at least one token",
-                           param=prompt_param)
-        if n_prompt >= max_len:
-            raise APIError(f"This model's maximum context length is {max_len} tokens; the "
-                           f"prompt has {n_prompt}", param=prompt_param,
-                           code="context_length_exceeded")
-        if max_tokens is None:
-            max_tokens = max_len - n_prompt
-        if max_tokens < 1:
-            raise APIError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
-        if n_prompt + max_tokens > max_len:
-            raise APIError(f"This model's maximum context length is {max_len} tokens; you "
-                           f"requested {n_prompt + max_tokens} ({n_prompt} in the prompt, "
-                           f"{max_tokens} for the completion)", param="max_tokens",
-                           code="context_length_exceeded")
-        try:
-            return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else req.top_p,
-                seed=req.seed, stop=req.stop_list + extra_stop,
-                stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                logprobs=logprobs)
-        except ValueError as e:
-            raise APIError(str(e), param=_param_of(str(e))) from None
 
     async def until_disconnect(request: Request, awaitable):
         """Await ``awaitable``, cancelling it (which aborts the request) if the client
@@ -180,7 +184,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         except _ClientGone:
             return Response(status_code=499)
         except ValueError as e:
-            raise APIError(str(e), param=_param_of(str(e))) from None
+            raise APIError(str(e), param=param_of(str(e))) from None
         except QueueFull as e:
             raise APIError(f"The server is busy: {e}. Retry shortly.", status=429,
                            type="rate_limit_error", code="rate_limit_exceeded",
@@ -216,9 +220,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                                "send one request per prompt", param="prompt")
             prompt = prompt[0]
         ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        params = sampling(req, len(ids), req.max_tokens, req.logprobs)
+        params = sampling_params(req, len(ids), req.max_tokens, req.logprobs, max_len)
         fmt = Formatter(tok, f"cmpl-{uuid.uuid4().hex}", model_name, chat=False,
-                        logprobs=req.logprobs, include_usage=_usage(req))
+                        logprobs=req.logprobs, include_usage=wants_usage(req))
         return await run(request, req, ids, params, fmt)
 
     @app.post("/v1/chat/completions")
@@ -231,9 +235,10 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
-        params = sampling(req, len(ids), max_tokens, logprobs, stops, prompt_param="messages")
+        params = sampling_params(req, len(ids), max_tokens, logprobs, max_len, stops,
+                                 prompt_param="messages")
         fmt = Formatter(tok, f"chatcmpl-{uuid.uuid4().hex}", model_name, chat=True,
-                        logprobs=logprobs, include_usage=_usage(req))
+                        logprobs=logprobs, include_usage=wants_usage(req))
         return await run(request, req, ids, params, fmt)
 
     @app.get("/v1/models")
@@ -260,7 +265,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     return app
 
 
-def _usage(req) -> bool:
+def wants_usage(req) -> bool:
     return bool(req.stream and req.stream_options and req.stream_options.include_usage)
 
 

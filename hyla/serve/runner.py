@@ -97,7 +97,7 @@ class Runner:
             if block.kind == "gla":
                 tensors.append((self.states[i][slot].clone(),))
             else:
-                k, v = self._gather(i, block_table, num_tokens)
+                k, v = self.layer_kv(i, block_table, num_tokens)
                 tensors.append((k.clone(), v.clone()))
         kinds = [b.kind for b in self.model.blocks]
         return SequenceState(kinds, tensors, num_tokens)
@@ -170,7 +170,7 @@ class Runner:
             if start == 0:
                 o = attention(qc, k[:, s:s + n], v[:, s:s + n], causal=True)
             else:
-                keys, values = self._gather(i, table, start + n)
+                keys, values = self.layer_kv(i, table, start + n)
                 o = attention_with_cache(qc, keys[None].to(q.dtype), values[None].to(q.dtype),
                                          torch.tensor([start + n]))
             outs.append(o)
@@ -274,7 +274,8 @@ class Runner:
             offs.append(o)
         return torch.cat(blocks), torch.cat(offs)
 
-    def _gather(self, i: int, table: list[int], n: int):
-        """Keys and values [n, H_kv, D] of the first n tokens of a block table."""
+    def layer_kv(self, i: int, table: list[int], n: int):
+        """Attention layer ``i``'s keys and values [n, H_kv, D] of the first n tokens of a
+        block table (a gathered copy)."""
         blocks, offs = self._where(table, torch.arange(n, device=self.device))
         return self.k_cache[i][blocks, offs], self.v_cache[i][blocks, offs]
