@@ -131,7 +131,8 @@ def cmd_role(args: argparse.Namespace, out: Console) -> int:
     run = dict(host=args.host, port=args.port, log_level=args.log_level,
                timeout_graceful_shutdown=3)
     if args.role == "router":
-        from hyla.disagg.live_router import LiveRouter, LiveRouterConfig, create_router_app
+        from hyla.disagg.live_router import LiveRouter, LiveRouterConfig
+        from hyla.disagg.router_app import create_router_app
 
         if not args.decode_workers:
             raise ValueError("--role router needs --decode-workers URL[,URL...]")

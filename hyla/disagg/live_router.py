@@ -27,25 +27,16 @@ import itertools
 import json
 import os
 import time
-import uuid
 from dataclasses import dataclass, field
 
 import httpx
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hyla.disagg.router import PrfaasRouter, RouterConfig, recommend_pd_split
 from hyla.disagg.transfer import EgressMeter
 from hyla.serve.api import (
-    APIKeyMiddleware,
     param_of,
-    sampling_params,
-    validation_error,
-    wants_usage,
 )
-from hyla.serve.api_format import Formatter, Result, render_chat
-from hyla.serve.api_schemas import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from hyla.serve.api_schemas import APIError
 from hyla.serve.engine import StepOutput
 from hyla.serve.sampler import TokenLogprob
 from hyla.serve.sequence import SamplingParams
@@ -55,7 +46,7 @@ class _Fallback(Exception):
     """The remote path failed before any output: re-run locally."""
 
 
-class _WorkerFailed(Exception):
+class WorkerFailed(Exception):
     """A decode worker failed (connection lost, engine error) while streaming."""
 
     def __init__(self, msg: str, sent: int):
@@ -184,7 +175,7 @@ class LiveRouter:
             try:
                 await self.poll_once()
             except Exception as e:  # noqa: BLE001 - keep polling
-                self._error(f"poll failed: {e!r}")
+                self.record_error(f"poll failed: {e!r}")
             await asyncio.sleep(self.cfg.poll_s)
 
     def start(self) -> None:
@@ -195,7 +186,7 @@ class LiveRouter:
             self._poller.cancel()
         await self.http.aclose()
 
-    def _error(self, msg: str) -> None:
+    def record_error(self, msg: str) -> None:
         self.last_errors = (self.last_errors + [msg])[-20:]
 
     def cluster_view(self) -> dict:
@@ -226,7 +217,7 @@ class LiveRouter:
         """Async iterator of StepOutputs for one request, by whichever path works.
 
         Raises APIError before the first output when nothing can serve it, and
-        :class:`_WorkerFailed` (with ``sent`` > 0) when a decode worker dies mid-stream.
+        :class:`WorkerFailed` (with ``sent`` > 0) when a decode worker dies mid-stream.
         """
         target = self.cfg.force or self.policy.route(len(ids), None,
                                                      time.monotonic() - self.t0).target
@@ -247,7 +238,7 @@ class LiveRouter:
                     return
                 except _Fallback as e:
                     self._fallback(str(e))
-                except _WorkerFailed as e:
+                except WorkerFailed as e:
                     if e.sent or sent:
                         raise
                     self._fallback(str(e))
@@ -265,9 +256,9 @@ class LiveRouter:
                     sent += 1
                     yield o
                 return
-            except _WorkerFailed as e:
+            except WorkerFailed as e:
                 if sent:
-                    raise _WorkerFailed(str(e), sent) from None
+                    raise WorkerFailed(str(e), sent) from None
                 errors.append(str(e))
                 self.counts["decode_retries"] += 1
         self.counts["failed"] += 1
@@ -279,10 +270,10 @@ class LiveRouter:
         self.counts["fallback_local"] += 1
         key = reason.split(":")[0][:80]
         self.fallback_reasons[key] = self.fallback_reasons.get(key, 0) + 1
-        self._error(f"fallback to local: {reason}")
+        self.record_error(f"fallback to local: {reason}")
 
     async def _lines(self, w: Worker, resp, rid: str, sent0: int = 0):
-        """Parsed NDJSON lines of a decode worker's stream; _WorkerFailed on loss."""
+        """Parsed NDJSON lines of a decode worker's stream; WorkerFailed on loss."""
         sent = sent0
         try:
             async for line in resp.aiter_lines():
@@ -292,16 +283,16 @@ class LiveRouter:
                 if "error" in d:
                     if d.get("kind") == "invalid":
                         raise APIError(d["error"], param=param_of(d["error"]))
-                    raise _WorkerFailed(f"decode worker {w.url}: {d['error']}", sent)
+                    raise WorkerFailed(f"decode worker {w.url}: {d['error']}", sent)
                 sent += 1
                 yield d
                 if d["finished"]:
                     return
         except (httpx.HTTPError, json.JSONDecodeError) as e:
             w.healthy, w.error = False, f"{type(e).__name__}: {e}"
-            raise _WorkerFailed(f"decode worker {w.url} failed: {type(e).__name__}: {e}",
+            raise WorkerFailed(f"decode worker {w.url} failed: {type(e).__name__}: {e}",
                                 sent) from None
-        raise _WorkerFailed(f"decode worker {w.url} ended the stream early", sent)
+        raise WorkerFailed(f"decode worker {w.url} ended the stream early", sent)
 
     def _body(self, ids, params, rid, prefilled):
         return {"request_id": rid, "prompt_ids": ids, "params": params.__dict__,
@@ -313,11 +304,11 @@ class LiveRouter:
             resp = await self.http.send(req, stream=True)
         except httpx.HTTPError as e:
             w.healthy, w.error = False, f"{type(e).__name__}: {e}"
-            raise _WorkerFailed(f"decode worker {w.url} unreachable: {e!r}", 0) from None
+            raise WorkerFailed(f"decode worker {w.url} unreachable: {e!r}", 0) from None
         if resp.status_code != 200:
             text = (await resp.aread()).decode(errors="replace")[:300]
             await resp.aclose()
-            raise _WorkerFailed(f"decode worker {w.url}: HTTP {resp.status_code} {text}", 0)
+            raise WorkerFailed(f"decode worker {w.url}: HTTP {resp.status_code} {text}", 0)
         return resp
 
     async def _stream(self, w: Worker, ids, params, rid, prefilled):
@@ -349,7 +340,7 @@ class LiveRouter:
                 self._check_prefill(p, prefill)
             try:
                 line = await first
-            except _WorkerFailed as e:
+            except WorkerFailed as e:
                 if prefill.done():
                     self._check_prefill(p, prefill)
                 raise _Fallback(str(e)) from None
@@ -377,133 +368,3 @@ class LiveRouter:
         r = task.result()
         if r.status_code != 200:
             raise _Fallback(f"prefill worker {p.url}: HTTP {r.status_code} {r.text[:200]}")
-
-
-def _error_event(msg: str) -> str:
-    return f"data: {json.dumps(error_body(msg, 'server_error'))}\n\n"
-
-
-def create_router_app(router: LiveRouter) -> FastAPI:
-    """The router's FastAPI app: the OpenAI API of :mod:`hyla.serve.api`, plus
-    ``GET /cluster``."""
-    cfg, tok = router.cfg, router.tok
-    app = FastAPI(title="hyla router", description="Prefill-as-a-Service router",
-                  on_startup=[router.start], on_shutdown=[router.close])
-    created = int(time.time())
-    if cfg.api_key:
-        app.add_middleware(APIKeyMiddleware, key=cfg.api_key)
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), exc.status, headers=exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        return JSONResponse(validation_error(exc).body(), 400)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        return JSONResponse(error_body(f"internal error: {exc!r}", "server_error"), 500)
-
-    def check_model(name):
-        if name is not None and name != cfg.model_name:
-            raise APIError(f"The model {name!r} does not exist: this server serves "
-                           f"{cfg.model_name!r}", param="model", code="model_not_found")
-
-    async def run(req, ids, params, fmt: Formatter):
-        if req.stream:
-            gen = router.generate(ids, params, fmt.id)
-            try:
-                first = await anext(gen)
-            except _WorkerFailed as e:
-                raise APIError(str(e), status=503, type="server_error") from None
-            return StreamingResponse(_events(fmt, first, gen),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        errors = []
-        for _ in range(3):            # a decode worker lost mid-request: run it again
-            r = Result()
-            try:
-                async for out in router.generate(ids, params, fmt.id):
-                    r.add(out)
-                return fmt.response(r)
-            except _WorkerFailed as e:
-                errors.append(str(e))
-                router.counts["decode_retries"] += 1
-        router.counts["failed"] += 1
-        raise APIError("The request failed on every path: " + "; ".join(errors), status=503,
-                       type="server_error")
-
-    async def _events(fmt, first, gen):
-        try:
-            async for event in fmt.stream(first, gen):
-                yield event
-        except _WorkerFailed as e:
-            router.counts["failed_mid_stream"] += 1
-            router._error(str(e))
-            yield _error_event(f"The stream was interrupted: {e}. The output so far is "
-                               "incomplete; retry the request.")
-        except APIError as e:
-            yield _error_event(e.message)
-        finally:
-            await gen.aclose()
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        check_model(req.model)
-        req.check_unsupported()
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) > 1:
-                raise APIError(f"Batched prompts are not supported ({len(prompt)} prompts): "
-                               "send one request per prompt", param="prompt")
-            prompt = prompt[0]
-        ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        params = sampling_params(req, len(ids), req.max_tokens, req.logprobs, cfg.max_model_len)
-        fmt = Formatter(tok, f"cmpl-{uuid.uuid4().hex}", cfg.model_name, chat=False,
-                        logprobs=req.logprobs, include_usage=wants_usage(req))
-        return await run(req, ids, params, fmt)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
-        check_model(req.model)
-        req.check_unsupported()
-        text, stops = render_chat(tok, [{"role": m.role, "content": m.text}
-                                        for m in req.messages])
-        ids = tok.encode(text)
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
-            else req.max_tokens
-        params = sampling_params(req, len(ids), max_tokens, logprobs, cfg.max_model_len, stops,
-                           prompt_param="messages")
-        fmt = Formatter(tok, f"chatcmpl-{uuid.uuid4().hex}", cfg.model_name, chat=True,
-                        logprobs=logprobs, include_usage=wants_usage(req))
-        return await run(req, ids, params, fmt)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model",
-                                            "created": created, "owned_by": "hyla",
-                                            "max_model_len": cfg.max_model_len}]}
-
-    @app.get("/health")
-    async def health():
-        up = sum(w.healthy for w in router.decode)
-        body = {"status": "ok" if up else "error", "model": cfg.model_name,
-                "decode_workers_up": up,
-                "prefill_workers_up": sum(w.healthy for w in router.prefill)}
-        return JSONResponse(body, 200 if up else 503)
-
-    @app.get("/cluster")
-    async def cluster():
-        return router.cluster_view()
-
-    @app.get("/metrics")
-    async def metrics():
-        lines = [f"hyla_router_requests_total{{path=\"{k}\"}} {v}"
-                 for k, v in router.counts.items()]
-        lines.append(f"hyla_router_threshold_tokens {router.policy.t}")
-        lines.append(f"hyla_router_egress_gbps {router.egress.gbps()}")
-        return Response("\n".join(lines) + "\n", media_type="text/plain")
-
-    return app

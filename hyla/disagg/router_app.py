@@ -1,0 +1,151 @@
+"""The router role's HTTP app: OpenAI-compatible routes plus ``GET /cluster``.
+
+Request parsing, checks and response formatting are the single-server API's
+(:mod:`hyla.serve.api`), so a client cannot tell the cluster from one ``hyla serve``; the
+routing itself is :class:`hyla.disagg.live_router.LiveRouter`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from hyla.disagg.live_router import LiveRouter, WorkerFailed
+from hyla.serve.api import APIKeyMiddleware, sampling_params, validation_error, wants_usage
+from hyla.serve.api_format import Formatter, Result, render_chat
+from hyla.serve.api_schemas import APIError, ChatCompletionRequest, CompletionRequest, error_body
+
+
+def _error_event(msg: str) -> str:
+    return f"data: {json.dumps(error_body(msg, 'server_error'))}\n\n"
+
+
+def create_router_app(router: LiveRouter) -> FastAPI:
+    """The router's FastAPI app: the OpenAI API of :mod:`hyla.serve.api`, plus
+    ``GET /cluster``."""
+    cfg, tok = router.cfg, router.tok
+    app = FastAPI(title="hyla router", description="Prefill-as-a-Service router",
+                  on_startup=[router.start], on_shutdown=[router.close])
+    created = int(time.time())
+    if cfg.api_key:
+        app.add_middleware(APIKeyMiddleware, key=cfg.api_key)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return JSONResponse(validation_error(exc).body(), 400)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        return JSONResponse(error_body(f"internal error: {exc!r}", "server_error"), 500)
+
+    def check_model(name):
+        if name is not None and name != cfg.model_name:
+            raise APIError(f"The model {name!r} does not exist: this server serves "
+                           f"{cfg.model_name!r}", param="model", code="model_not_found")
+
+    async def run(req, ids, params, fmt: Formatter):
+        if req.stream:
+            gen = router.generate(ids, params, fmt.id)
+            try:
+                first = await anext(gen)
+            except WorkerFailed as e:
+                raise APIError(str(e), status=503, type="server_error") from None
+            return StreamingResponse(_events(fmt, first, gen),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        errors = []
+        for _ in range(3):            # a decode worker lost mid-request: run it again
+            r = Result()
+            try:
+                async for out in router.generate(ids, params, fmt.id):
+                    r.add(out)
+                return fmt.response(r)
+            except WorkerFailed as e:
+                errors.append(str(e))
+                router.counts["decode_retries"] += 1
+        router.counts["failed"] += 1
+        raise APIError("The request failed on every path: " + "; ".join(errors), status=503,
+                       type="server_error")
+
+    async def _events(fmt, first, gen):
+        try:
+            async for event in fmt.stream(first, gen):
+                yield event
+        except WorkerFailed as e:
+            router.counts["failed_mid_stream"] += 1
+            router.record_error(str(e))
+            yield _error_event(f"The stream was interrupted: {e}. The output so far is "
+                               "incomplete; retry the request.")
+        except APIError as e:
+            yield _error_event(e.message)
+        finally:
+            await gen.aclose()
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        check_model(req.model)
+        req.check_unsupported()
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) > 1:
+                raise APIError(f"Batched prompts are not supported ({len(prompt)} prompts): "
+                               "send one request per prompt", param="prompt")
+            prompt = prompt[0]
+        ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        params = sampling_params(req, len(ids), req.max_tokens, req.logprobs, cfg.max_model_len)
+        fmt = Formatter(tok, f"cmpl-{uuid.uuid4().hex}", cfg.model_name, chat=False,
+                        logprobs=req.logprobs, include_usage=wants_usage(req))
+        return await run(req, ids, params, fmt)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest):
+        check_model(req.model)
+        req.check_unsupported()
+        text, stops = render_chat(tok, [{"role": m.role, "content": m.text}
+                                        for m in req.messages])
+        ids = tok.encode(text)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        params = sampling_params(req, len(ids), max_tokens, logprobs, cfg.max_model_len, stops,
+                           prompt_param="messages")
+        fmt = Formatter(tok, f"chatcmpl-{uuid.uuid4().hex}", cfg.model_name, chat=True,
+                        logprobs=logprobs, include_usage=wants_usage(req))
+        return await run(req, ids, params, fmt)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model",
+                                            "created": created, "owned_by": "hyla",
+                                            "max_model_len": cfg.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        up = sum(w.healthy for w in router.decode)
+        body = {"status": "ok" if up else "error", "model": cfg.model_name,
+                "decode_workers_up": up,
+                "prefill_workers_up": sum(w.healthy for w in router.prefill)}
+        return JSONResponse(body, 200 if up else 503)
+
+    @app.get("/cluster")
+    async def cluster():
+        return router.cluster_view()
+
+    @app.get("/metrics")
+    async def metrics():
+        lines = [f"hyla_router_requests_total{{path=\"{k}\"}} {v}"
+                 for k, v in router.counts.items()]
+        lines.append(f"hyla_router_threshold_tokens {router.policy.t}")
+        lines.append(f"hyla_router_egress_gbps {router.egress.gbps()}")
+        return Response("\n".join(lines) + "\n", media_type="text/plain")
+
+    return app
