@@ -90,13 +90,14 @@ def eager_vs_compiled(model, dtype, steps: int = 6, batch: int = 4) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--rate", type=float, default=2.0, help="arrivals per second")
     ap.add_argument("--max-num-seqs", type=int, default=8)
     args = ap.parse_args()
     tune_cpu_allocator()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     n = 10 if args.quick else args.requests
     model = hyla_model("small", "GGGGGGGG")
     m = args.max_num_seqs

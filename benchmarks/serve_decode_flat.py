@@ -52,12 +52,13 @@ def step_time(model, batch: int, context: int, steps: int, block_size: int = 64)
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=9)
     args = ap.parse_args()
     tune_cpu_allocator()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     contexts = (1024, 8192) if args.quick else (1024, 2048, 8192, 32768)
     steps = 3 if args.quick else args.steps
     models = {name: hyla_model("small", layers) for name, layers in LAYERS.items()}

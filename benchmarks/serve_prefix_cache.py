@@ -39,12 +39,13 @@ def ttft(eng: Engine, prompt: list[int]) -> tuple[float, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--prefix", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     tune_cpu_allocator()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     prefix_len = 1024 if args.quick else args.prefix
     repeats = 1 if args.quick else args.repeats
     rows = []

@@ -101,12 +101,13 @@ def decode_profile(model, widths, context: int = 256, steps: int = 8) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--quick", action="store_true", help="8 requests, 1 repeat")
     ap.add_argument("--length-scale", type=float, default=4.0)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     tune_cpu_allocator()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     n = 8 if args.quick else 64
     repeats = 1 if args.quick else args.repeats
     work = trace_workload(n, args.length_scale)
