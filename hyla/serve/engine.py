@@ -207,7 +207,7 @@ class Engine:
         parts, seqs = [], []
         if out.decodes:
             t0 = time.perf_counter()
-            d = out.decodes
+            d = sorted(out.decodes, key=lambda s: s.slot)   # consecutive slots: in place
             parts.append(r.decode([s.slot for s in d],
                                   [s.token_at(s.num_computed_tokens) for s in d],
                                   [s.num_computed_tokens for s in d],

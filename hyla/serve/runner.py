@@ -180,17 +180,21 @@ class Runner:
     @torch.no_grad()
     def decode(self, slots: list[int], tokens: list[int], positions: list[int],
                block_tables: list[list[int]], width: int) -> torch.Tensor:
-        """One token for each of B sequences, padded to ``width`` rows.
+        """One token for each of B sequences.
 
-        ``positions[b]`` is the token's position (tokens already in the state).
-        Returns logits [B, vocab] (fp32).
+        ``positions[b]`` is the token's position (tokens already in the state). Compiled,
+        the batch is padded to ``width`` rows and the block tables to a power-of-two
+        length, so the graph sees only those shapes; eager, it runs the B rows as they are
+        (padding would only cost time). Returns logits [B, vocab] (fp32).
         """
         B = len(slots)
         if not 1 <= B <= width:
             raise ValueError(f"decode batch of {B} does not fit width {width}")
-        pad = width - B
-        nb = _pow2(max((len(t) for t in block_tables), default=0)) if self.attn_layers else 0
-        tables = torch.full((width, nb), self.pad_block, dtype=torch.long)
+        rows = width if self.compiled else B
+        pad = rows - B
+        longest = max((len(t) for t in block_tables), default=0)
+        nb = (_pow2(longest) if self.compiled else longest) if self.attn_layers else 0
+        tables = torch.full((rows, nb), self.pad_block, dtype=torch.long)
         for b, t in enumerate(block_tables if nb else ()):
             tables[b, :len(t)] = torch.tensor(t, dtype=torch.long)
         dev = self.device
@@ -199,7 +203,12 @@ class Runner:
                 torch.tensor(list(positions) + [0] * pad, device=dev),
                 tables.to(dev))
         if not self.compiled:
-            return self._decode_fn(*args)[:B]
+            # Consecutive slots (the usual case: slots are handed out lowest first and the
+            # engine sorts the batch) let GLA layers update their states in place.
+            first = slots[0]
+            span = slice(first, first + B) if list(slots) == list(range(first, first + B)) \
+                else None
+            return self._decode_impl(*args, span=span)
         from torch._dynamo.utils import counters
 
         before = counters["stats"]["unique_graphs"]
@@ -226,7 +235,7 @@ class Runner:
                 self.decode([self.pad_slot], [0], [0], [[self.pad_block] * nb], w)
         return self.num_compilations - before
 
-    def _decode_impl(self, tokens, slots, positions, tables):
+    def _decode_impl(self, tokens, slots, positions, tables, span: slice | None = None):
         m = self.model
         x = m.embed(tokens[:, None])
         for i, block in enumerate(m.blocks):
@@ -234,9 +243,12 @@ class Runner:
             if block.kind == "gla":
                 layer = block.mixer
                 q, k, v, gk = layer._qkvg(h)
-                state = self.states[i][slots]                     # gathered copy
-                o = gla_decode_step(q, k, v, gk, state)
-                self.states[i].index_copy_(0, slots, state)
+                if span is not None:                              # a view: updated in place
+                    o = gla_decode_step(q, k, v, gk, self.states[i][span])
+                else:
+                    state = self.states[i][slots]                 # gathered copy
+                    o = gla_decode_step(q, k, v, gk, state)
+                    self.states[i].index_copy_(0, slots, state)
                 y = layer._out(h, o)
             else:
                 y = self._decode_attention(i, block.mixer, h, positions, tables)
