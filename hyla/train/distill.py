@@ -222,6 +222,10 @@ class Distiller:
             sch.step()
         self.step += 1
 
+    def _tokens_seen(self) -> int:
+        s1 = min(self.step, self.stage1_steps)
+        return s1 * self.cfg.stage1_tokens_per_step + (self.step - s1) * self.cfg.tokens_per_step
+
     def save(self) -> pathlib.Path:
         return save_train_checkpoint(self, self.out / f"ckpt-{self.step:06d}")
 
@@ -240,6 +244,7 @@ class Distiller:
                 tokens = cfg.stage1_tokens_per_step if stage == 1 else cfg.tokens_per_step
                 record = {"stage": stage, "step": self.step, **record,
                           "lr": self.schedulers[0].get_last_lr()[0],
+                          "tokens": self._tokens_seen(),
                           "tokens_per_s": tokens / (time.perf_counter() - start)}
                 stage_end = self.step in (self.stage1_steps, self.total_steps)
                 if stage_end:

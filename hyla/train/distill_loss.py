@@ -81,7 +81,7 @@ def layer_transfer_loss(teacher_layer, student_layer, h: torch.Tensor, positions
         >>> from hyla.model.layers import AttentionLayer
         >>> a = AttentionLayer(dataclasses.replace(preset("debug"), layers="A"))
         >>> loss, parts = layer_transfer_loss(a, a, torch.randn(1, 8, 64), torch.arange(8))
-        >>> float(loss), parts["kl"]
+        >>> loss.item(), parts["kl"]
         (0.0, 0.0)
     """
     if y_teacher is None:
