@@ -9,8 +9,9 @@ Poisson process (seeded), with ``torch.compile`` on the decode step, three ways:
 - unbucketed, on demand: every batch size is its own width (what the reference did).
 
 It reports compilations during serving and the share of decode time spent in the calls
-that compiled. Then the max logit difference between eager and compiled decode with the
-model in bf16 (and fp32), from the same states over several steps.
+that compiled (inductor's on-disk cache off, so every case compiles from scratch). Then the
+max logit difference between eager and compiled decode with the model in bf16 (and fp32),
+from the same states over several steps.
 
     python benchmarks/serve_bucketing.py [--quick]
 """
@@ -35,6 +36,10 @@ from hyla.serve.sequence import SamplingParams  # noqa: E402
 
 def serve_poisson(model, widths, warm: bool, n: int, rate: float, max_seqs: int) -> dict:
     torch._dynamo.reset()
+    # Every case compiles from scratch: inductor's on-disk graph cache would otherwise let
+    # a later case reuse the kernels an earlier one built for the same width.
+    torch._inductor.config.fx_graph_cache = False
+    torch._inductor.config.autotune_local_cache = False
     eng = Engine(model, None, EngineConfig(max_num_seqs=max_seqs, max_model_len=512,
                                            compile=True, decode_widths=widths))
     t0 = time.perf_counter()
@@ -90,7 +95,9 @@ def eager_vs_compiled(model, dtype, steps: int = 6, batch: int = 4) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (1: on this 2-vCPU VM a second intra-op thread "
+                         "makes the small ops of a decode step 2-5x slower)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--rate", type=float, default=2.0, help="arrivals per second")

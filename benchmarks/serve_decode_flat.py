@@ -52,7 +52,9 @@ def step_time(model, batch: int, context: int, steps: int, block_size: int = 64)
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (1: on this 2-vCPU VM a second intra-op thread "
+                         "makes the small ops of a decode step 2-5x slower)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=9)

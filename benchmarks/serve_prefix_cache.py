@@ -39,7 +39,9 @@ def ttft(eng: Engine, prompt: list[int]) -> tuple[float, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (1: on this 2-vCPU VM a second intra-op thread "
+                         "makes the small ops of a decode step 2-5x slower)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--prefix", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)

@@ -101,7 +101,9 @@ def decode_profile(model, widths, context: int = 256, steps: int = 8) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (1: on this 2-vCPU VM a second intra-op thread "
+                         "makes the small ops of a decode step 2-5x slower)")
     ap.add_argument("--quick", action="store_true", help="8 requests, 1 repeat")
     ap.add_argument("--length-scale", type=float, default=4.0)
     ap.add_argument("--repeats", type=int, default=3)

@@ -43,7 +43,9 @@ EOS = "<|endoftext|>"
 class BPETokenizer:
     """Byte-level BPE (Hugging Face ``tokenizers``), stored as ``tokenizer.json``.
 
-    Documents end with the ``<|endoftext|>`` token (``eos_id``) when packed for training.
+    Documents end with the end-of-text token (``eos_id``) when packed for training:
+    ``<|endoftext|>`` for tokenizers hyla trains, the one a Hugging Face tokenizer names in
+    its ``tokenizer_config.json`` (``</s>``, ``<|end_of_text|>``...) otherwise.
 
     Example:
         >>> tok = train_bpe(["def f(x):\\n    return x\\n"] * 50, vocab_size=300)
@@ -51,11 +53,13 @@ class BPETokenizer:
         'def f(x):'
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, eos_token: str = EOS) -> None:
         self._tok = tokenizer
-        self.eos_id = tokenizer.token_to_id(EOS)
+        self.eos_token = eos_token
+        self.eos_id = tokenizer.token_to_id(eos_token)
         if self.eos_id is None:
-            raise ValueError(f"tokenizer has no {EOS} token: expected one trained by hyla")
+            raise ValueError(f"tokenizer has no {eos_token} token: expected the end-of-text "
+                             f"token it is given, {EOS} for tokenizers hyla trains")
 
     @property
     def vocab_size(self) -> int:
@@ -70,16 +74,44 @@ class BPETokenizer:
         return self._tok.decode([int(i) for i in ids])
 
     def save(self, path) -> None:
+        """Write ``path`` (tokenizer.json); a non-default end-of-text token is named in
+        ``tokenizer_config.json`` beside it, the Hugging Face convention."""
+        import json
+        import pathlib
+
         self._tok.save(str(path))
+        if self.eos_token != EOS:
+            cfg = pathlib.Path(path).with_name("tokenizer_config.json")
+            cfg.write_text(json.dumps({"eos_token": self.eos_token}) + "\n", encoding="utf-8")
 
     @classmethod
-    def load(cls, path) -> BPETokenizer:
+    def load(cls, path, eos_token: str | None = None) -> BPETokenizer:
+        """Read ``path``; the end-of-text token is ``eos_token``, else the one named in a
+        ``tokenizer_config.json`` beside it, else ``<|endoftext|>``."""
         from tokenizers import Tokenizer
 
         try:
-            return cls(Tokenizer.from_file(str(path)))
+            tok = Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises plain Exceptions for bad files
             raise ValueError(f"{path} is not a tokenizers JSON file: {e}") from e
+        return cls(tok, eos_token or config_eos_token(path) or EOS)
+
+
+def config_eos_token(path) -> str | None:
+    """The ``eos_token`` named in the ``tokenizer_config.json`` beside ``path``, if any."""
+    import json
+    import pathlib
+
+    cfg = pathlib.Path(path).with_name("tokenizer_config.json")
+    if not cfg.is_file():
+        return None
+    try:
+        eos = json.loads(cfg.read_text(encoding="utf-8")).get("eos_token")
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{cfg} is not a JSON object: {e}") from e
+    if isinstance(eos, dict):           # transformers' AddedToken form
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) and eos else None
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int = 8192) -> BPETokenizer:

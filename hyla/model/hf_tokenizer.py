@@ -6,9 +6,10 @@ hyla keeps a tokenizer as a ``tokenizers`` JSON file whose end-of-document token
 
 - import: ``tokenizer.json`` is required (a sentencepiece ``tokenizer.model`` alone is not
   read). A file with ``<|endoftext|>`` (Qwen2, hyla exports) is used as is; a 256-token byte
-  map (what hyla exports for a byte model) becomes the byte tokenizer; any other file gets
-  ``<|endoftext|>`` appended as a special token when the model's vocabulary has a spare id,
-  and is refused otherwise (Llama 2 / Mistral tokenizers fill their vocabulary exactly).
+  map (what hyla exports for a byte model) becomes the byte tokenizer; a file whose
+  ``tokenizer_config.json`` names an ``eos_token`` it holds (Llama's ``</s>``) ends
+  documents with that; any other file gets ``<|endoftext|>`` appended as a special token
+  when the model's vocabulary has a spare id, and is refused otherwise.
   A tokenizer with more ids than the model's ``vocab_size`` is refused;
 - export: ``tokenizer.json`` + ``tokenizer_config.json`` (``PreTrainedTokenizerFast``), which
   ``transformers.AutoTokenizer`` loads. A byte model gets a byte-identity BPE (no merges) whose
@@ -20,7 +21,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from hyla.data.tokenizer import EOS, BPETokenizer, ByteTokenizer
+from hyla.data.tokenizer import EOS, BPETokenizer, ByteTokenizer, config_eos_token
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -78,6 +79,9 @@ def load_hf_tokenizer(root: pathlib.Path, vocab_size: int) -> BPETokenizer | Byt
                          f"tokenizer with at most vocab_size ids")
     if _is_byte_map(tok):
         return ByteTokenizer()
+    named = config_eos_token(path)
+    if tok.token_to_id(EOS) is None and named is not None and tok.token_to_id(named) is not None:
+        return BPETokenizer(tok, eos_token=named)      # Llama's </s>, Llama 3's <|end_of_text|>
     if tok.token_to_id(EOS) is None:
         if n >= vocab_size:
             raise ValueError(f"{path} has no {EOS} token and the model's vocabulary "
@@ -91,7 +95,7 @@ def save_hf_tokenizer(tokenizer: BPETokenizer | ByteTokenizer, out: pathlib.Path
     """Write ``tokenizer.json`` + ``tokenizer_config.json``; returns config.json token ids."""
     if isinstance(tokenizer, BPETokenizer):
         tokenizer.save(out / "tokenizer.json")
-        eos, eos_id = EOS, tokenizer.eos_id
+        eos, eos_id = tokenizer.eos_token, tokenizer.eos_id
     elif isinstance(tokenizer, ByteTokenizer):
         byte_tokenizer_json().save(str(out / "tokenizer.json"))
         eos, eos_id = None, None

@@ -20,6 +20,7 @@ class TrainConfig:
     """
 
     preset: str = "small"
+    layers: str | None = None  # override the preset's layer mix, e.g. "AAAAAAAA" (a teacher)
     data: str | None = None  # None: the embedded stdlib corpus
     out: str = "runs/small"
     steps: int = 200

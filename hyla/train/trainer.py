@@ -89,6 +89,8 @@ class Trainer:
         with distributed.rank_zero_first(self.world):
             self.tokenizer = self._tokenizer(state is not None)
         model_cfg = dataclasses.replace(preset(cfg.preset), vocab_size=self.tokenizer.vocab_size)
+        if cfg.layers is not None:
+            model_cfg = dataclasses.replace(model_cfg, layers=cfg.layers)  # validated there
         self.model = HylaLM(model_cfg)
         self.model.activation_checkpointing = cfg.activation_checkpointing
         if self.world > 1:

@@ -21,14 +21,6 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_
              tie_word_embeddings=False)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny shapes: a second thread only adds synchronisation (10x slower on a shared machine)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def bpe():

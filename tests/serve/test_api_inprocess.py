@@ -17,16 +17,11 @@ from hyla.serve.engine import Engine, EngineConfig
 
 @pytest.fixture(scope="module")
 def engine():
-    # One thread: on a busy 2-core machine a second one costs 10x (the engine thread's
-    # OpenMP team spins against whatever else runs).
     torch.manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     eng = AsyncEngine(Engine(HylaLM(preset("debug")), ByteTokenizer(),
                              EngineConfig(max_num_seqs=4, max_model_len=128)))
     yield eng
     eng.shutdown()
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -23,16 +23,6 @@ from hyla.train.distill_loss import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny shapes: a second thread only adds synchronisation, which costs 10x or more when
-    # the machine is shared with other test runs.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _teacher(seed=0, kv=2):
     torch.manual_seed(seed)
     cfg = dataclasses.replace(preset("debug"), layers="AAAA", n_kv_heads=kv)

@@ -10,15 +10,6 @@ from hyla.train.param_groups import build_optimizers, split_params
 SHAPES = [(64, 32), (32, 64), (48, 48), (16, 96), (96, 16)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matrices: a second OpenMP thread only adds barrier waits, which cost whole
-    # scheduler slices when other jobs share the cores (0.35 s instead of 1 ms per NS call).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def _pair(shapes, seed=0, **kw):
     g = torch.Generator().manual_seed(seed)

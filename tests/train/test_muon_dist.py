@@ -23,15 +23,6 @@ SHAPES = [(10, 6), (7, 12), (16, 8), (16, 8), (16, 8), (24, 40), (3, 5)]
 STEPS = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matrices: a second OpenMP thread only adds barrier waits, which cost whole
-    # scheduler slices when other jobs share the cores (0.35 s instead of 1 ms per NS call).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def _params(seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -79,3 +79,11 @@ def test_bad_train_config():
         TrainConfig(optimizer="sgd")
     with pytest.raises(ValueError, match="steps"):
         TrainConfig(steps=0)
+
+
+def test_layers_override_trains_an_all_attention_model(tmp_path):
+    trainer = Trainer(tiny(tmp_path, layers="AAAA", steps=1))
+    assert trainer.model.cfg.layers == "AAAA"
+    trainer.fit(progress=False)
+    with pytest.raises(ValueError, match="layers"):
+        Trainer(tiny(tmp_path / "bad", layers="GXA"))
