@@ -8,7 +8,9 @@ does not depend on what the state holds, only on its size, so states and KV bloc
 filled with random values instead of prefilling 32K-token prompts (which would take this
 CPU minutes per attention model). Each point: median step time of several steps, all
 models measured side by side in one run. Also reports the cost per output token at 8K
-relative to 2K (the reference deployment saw +0.5% for its GLA model).
+relative to 2K (the reference deployment saw +0.5% for its GLA model). Per model, one
+runner holds the longest context and the contexts take turns step by step (medians of
+``--steps``), so drift on a shared machine does not masquerade as a context effect.
 
     python benchmarks/serve_decode_flat.py [--quick]
 """
@@ -31,8 +33,10 @@ from hyla.serve.runner import Runner  # noqa: E402
 LAYERS = {"GLA only": "GGGGGGGG", "hybrid 3:1": "GGGAGGGA", "all attention": "AAAAAAAA"}
 
 
-def step_time(model, batch: int, context: int, steps: int, block_size: int = 64) -> float:
-    per_seq = -(-(context + steps + 2) // block_size)
+def step_times(model, batch: int, contexts, steps: int, block_size: int = 64) -> dict:
+    """Median decode step seconds per context, contexts interleaved step by step on one
+    runner (so allocation and drift hit every context alike)."""
+    per_seq = -(-(max(contexts) + 2) // block_size)
     attn = "A" in model.cfg.layers
     r = Runner(model, max_num_seqs=batch, num_kv_blocks=batch * per_seq if attn else 0,
                block_size=block_size)
@@ -40,14 +44,17 @@ def step_time(model, batch: int, context: int, steps: int, block_size: int = 64)
         s.normal_()
     for c in (*r.k_cache.values(), *r.v_cache.values()):
         c.normal_()
-    tables = [list(range(b * per_seq, (b + 1) * per_seq)) if attn else []
-              for b in range(batch)]
-    ts = []
+    full = [list(range(b * per_seq, (b + 1) * per_seq)) if attn else [] for b in range(batch)]
+    times: dict[int, list[float]] = {c: [] for c in contexts}
     for i in range(steps + 1):
-        t0 = time.perf_counter()
-        r.decode(list(range(batch)), [1] * batch, [context + i] * batch, tables, batch)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts[1:])
+        for ctx in contexts:
+            n = -(-(ctx + 1) // block_size) if attn else 0
+            t0 = time.perf_counter()
+            r.decode(list(range(batch)), [1] * batch, [ctx] * batch,
+                     [t[:n] for t in full], batch)
+            if i:                                   # the first round warms up
+                times[ctx].append(time.perf_counter() - t0)
+    return {c: statistics.median(ts) for c, ts in times.items()}
 
 
 def main() -> None:
@@ -57,20 +64,24 @@ def main() -> None:
                          "makes the small ops of a decode step 2-5x slower)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=9)
+    ap.add_argument("--steps", type=int, default=15)
     args = ap.parse_args()
     tune_cpu_allocator()
     torch.set_num_threads(args.threads)
     contexts = (1024, 8192) if args.quick else (1024, 2048, 8192, 32768)
     steps = 3 if args.quick else args.steps
     models = {name: hyla_model("small", layers) for name, layers in LAYERS.items()}
+    times = {}
+    for name, model in models.items():
+        for ctx, t in step_times(model, args.batch, contexts, steps).items():
+            times[(name, ctx)] = t
+        print(f"{name} done", flush=True)
     rows = []
     for ctx in contexts:
-        for name, model in models.items():
-            t = step_time(model, args.batch, ctx, steps)
+        for name in models:
+            t = times[(name, ctx)]
             rows.append({"model": name, "context": ctx, "step_ms": t * 1e3,
                          "tok_s": args.batch / t})
-            print(rows[-1], flush=True)
     by = {(r["model"], r["context"]): r["tok_s"] for r in rows}
     summary = []
     for name in models:

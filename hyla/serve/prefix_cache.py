@@ -55,8 +55,10 @@ class PrefixCache:
         >>> hs = block_hashes(list(range(10)), 4)
         >>> pc.save_snapshot(hs[1])          # a snapshot after 8 tokens: slot 0
         0
-        >>> pc.match(list(range(12))).num_tokens
+        >>> m = pc.match(list(range(12))); m.num_tokens
         8
+        >>> pc.record(12, m.num_tokens); pc.hit_rate
+        0.6666666666666666
     """
 
     def __init__(self, block_size: int, block_manager: BlockManager | None,
@@ -83,8 +85,7 @@ class PrefixCache:
 
     def match(self, token_ids: list[int]) -> PrefixMatch:
         """The longest usable cached prefix of a prompt (at most all but its last token,
-        whose logits the engine needs)."""
-        self.query_tokens += len(token_ids)
+        whose logits the engine needs). Counted in ``hit_rate`` once :meth:`record`ed."""
         hashes = block_hashes(token_ids[:-1], self.block_size)
         best = PrefixMatch()
         for i, h in enumerate(hashes):
@@ -104,8 +105,13 @@ class PrefixCache:
                 best = PrefixMatch((i + 1) * self.block_size, best_blocks)
         if best.snapshot is not None:
             self.snapshots.move_to_end(hashes[best.num_tokens // self.block_size - 1])
-        self.hit_tokens += best.num_tokens
         return best
+
+    def record(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted prompt in the hit rate (a match that was not admitted, for
+        lack of room, is retried later and must not count twice)."""
+        self.query_tokens += num_prompt_tokens
+        self.hit_tokens += num_hit_tokens
 
     def is_snapshot_boundary(self, num_tokens: int, prompt_len: int) -> bool:
         """Whether a prefill that has computed ``num_tokens`` should snapshot GLA states."""

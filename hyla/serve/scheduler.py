@@ -309,6 +309,8 @@ class Scheduler:
             seq.block_table = list(shared) + self.blocks.allocate(need)
         seq.slot = self.pool.allocate()
         seq.status = SequenceStatus.RUNNING
+        if self.prefix_cache is not None and seq.external_state is None:
+            self.prefix_cache.record(seq.num_tokens, match.num_tokens if match else 0)
         if match is not None:
             seq.num_computed_tokens = seq.num_cached_tokens = match.num_tokens
             if match.snapshot is not None:
