@@ -16,7 +16,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hyla.disagg.live_router import LiveRouter, WorkerFailed
-from hyla.serve.api import APIKeyMiddleware, sampling_params, validation_error, wants_usage
+from hyla.serve.api import (
+    APIKeyMiddleware,
+    prompt_token_ids,
+    sampling_params,
+    validation_error,
+    wants_usage,
+)
 from hyla.serve.api_format import Formatter, Result, render_chat
 from hyla.serve.api_schemas import APIError, ChatCompletionRequest, CompletionRequest, error_body
 
@@ -94,13 +100,7 @@ def create_router_app(router: LiveRouter) -> FastAPI:
     async def completions(req: CompletionRequest):
         check_model(req.model)
         req.check_unsupported()
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) > 1:
-                raise APIError(f"Batched prompts are not supported ({len(prompt)} prompts): "
-                               "send one request per prompt", param="prompt")
-            prompt = prompt[0]
-        ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = prompt_token_ids(req, tok)
         params = sampling_params(req, len(ids), req.max_tokens, req.logprobs, cfg.max_model_len)
         fmt = Formatter(tok, f"cmpl-{uuid.uuid4().hex}", cfg.model_name, chat=False,
                         logprobs=req.logprobs, include_usage=wants_usage(req))

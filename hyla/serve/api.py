@@ -128,6 +128,17 @@ def sampling_params(req, n_prompt: int, max_tokens: int | None, logprobs: int | 
 
 
 
+def prompt_token_ids(req: CompletionRequest, tok) -> list[int]:
+    """The token ids of a completion request's prompt: text or ids, one prompt only."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) > 1:
+            raise APIError(f"Batched prompts are not supported ({len(prompt)} prompts): "
+                           "send one request per prompt", param="prompt")
+        prompt = prompt[0]
+    return tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
 def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` as the model ``model_name``.
 
@@ -213,13 +224,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
         req.check_unsupported()
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) > 1:
-                raise APIError(f"Batched prompts are not supported ({len(prompt)} prompts): "
-                               "send one request per prompt", param="prompt")
-            prompt = prompt[0]
-        ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = prompt_token_ids(req, tok)
         params = sampling_params(req, len(ids), req.max_tokens, req.logprobs, max_len)
         fmt = Formatter(tok, f"cmpl-{uuid.uuid4().hex}", model_name, chat=False,
                         logprobs=req.logprobs, include_usage=wants_usage(req))
