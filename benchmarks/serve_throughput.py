@@ -91,7 +91,7 @@ def decode_profile(model, widths, context: int = 256, steps: int = 8) -> dict:
             r.decode(*args)
             ts.append(time.perf_counter() - t0)
         out[str(w)] = statistics.median(ts)
-    prompt = list(range(1, 1025))
+    prompt = [i % (model.cfg.vocab_size - 1) + 1 for i in range(1024)]   # ids in vocab
     chunk = [(0, prompt, 0, list(range(base, base + 64)))]
     r.prefill(chunk)
     t0 = time.perf_counter()
