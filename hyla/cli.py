@@ -366,6 +366,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (_ArgumentError, ValueError) as e:
         err.print(f"[red]error:[/] {escape(str(e))}")
         return 2
+    except ModuleNotFoundError as e:  # an optional extra the command needs
+        err.print("[red]error:[/] " + escape(f"{e}: this command needs an optional extra, e.g. "
+                                             "pip install -e '.[serve]' (serving, cluster, "
+                                             "simulate) or '.[hf]'"))
+        return 2
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
     except KeyboardInterrupt:
