@@ -52,8 +52,9 @@ async def _request(client, base, req, t0, out):
                     ok = r.status_code == 200
     except httpx.HTTPError:
         pass
-    out.append({"ok": ok, "ttft": ttft, "e2e": time.perf_counter() - start,
-                "prompt": req.prompt_len})
+    now = time.perf_counter()
+    out.append({"ok": ok, "ttft": ttft, "e2e": now - start, "end": now - t0,
+                "output": req.output_len, "prompt": req.prompt_len})
 
 
 def _pct(xs, q):

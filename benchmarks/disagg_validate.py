@@ -38,6 +38,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from disagg_live import _request  # noqa: E402
+
 from hyla.disagg.cluster import ClusterSpec, free_port, launch  # noqa: E402
 from hyla.disagg.sim import Deployment, Sim, SimConfig  # noqa: E402
 from hyla.disagg.sim_hardware import InstanceProfile, spec_from_config  # noqa: E402
@@ -91,26 +93,6 @@ def measure_engine_profile(preset_name: str, threads: int, runner_prof: dict) ->
         # the second generate's decode steps: 47 of them (first token comes from prefill)
         out[str(w)] = (dt - 64 * w / runner_prof["prefill_tok_s"]) / 47 if n_dec else dt
     return {**runner_prof, "name": runner_prof["name"] + "-engine", "decode_step_s": out}
-
-
-async def _request(client, base, req, t0, out):
-    await asyncio.sleep(max(0.0, t0 + req.arrival - time.perf_counter()))
-    start = time.perf_counter()
-    prompt = [(i * 7 + req.rid) % 250 + 1 for i in range(req.prompt_len)]
-    body = {"prompt": prompt, "max_tokens": req.output_len, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    ttft, ok = None, False
-    try:
-        async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data: ") and ttft is None:
-                    ttft = time.perf_counter() - start
-                if line == "data: [DONE]":
-                    ok = r.status_code == 200
-    except httpx.HTTPError:
-        pass
-    out.append({"ok": ok, "ttft": ttft, "end": time.perf_counter() - t0,
-                "output": req.output_len, "prompt": req.prompt_len})
 
 
 def live(reqs, args) -> dict:

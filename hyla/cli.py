@@ -282,6 +282,17 @@ def positive(value: str) -> int:
     return int(value)
 
 
+def positive_float(value: str) -> float:
+    """argparse type for a positive number."""
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``hyla`` argument parser (one sub-command per package entry point)."""
     from hyla.eval.memory import parse_context

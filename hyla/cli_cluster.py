@@ -19,17 +19,7 @@ import time
 
 from rich.console import Console
 
-from hyla.cli import positive
-
-
-def _gbps(value: str) -> float:
-    try:
-        v = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
-    return v
+from hyla.cli import positive, positive_float
 
 
 def _urls(value: str) -> list[str]:
@@ -55,7 +45,7 @@ def add_cluster_commands(sub) -> None:
                    help="remote prefill pool size (default 1)")
     p.add_argument("--decode-workers", type=positive, default=None,
                    help="local PD pool size (default 2)")
-    p.add_argument("--link-gbps", type=_gbps, default=None,
+    p.add_argument("--link-gbps", type=positive_float, default=None,
                    help="emulated prefill -> decode link capacity (default 10)")
     p.add_argument("--threshold", type=positive, default=None,
                    help="initial routing threshold in incremental prompt tokens (default 1024)")
@@ -77,7 +67,7 @@ def add_cluster_commands(sub) -> None:
                    help="router: prefill workers' URLs, comma-separated")
     g.add_argument("--decode-workers", type=_urls, default=[],
                    help="router: decode (PD) workers' URLs, comma-separated")
-    g.add_argument("--link-gbps", type=_gbps, default=None,
+    g.add_argument("--link-gbps", type=positive_float, default=None,
                    help="prefill: pace state transfers to this rate; router: the link "
                         "capacity the policy measures utilisation against (default 10)")
     g.add_argument("--threshold", type=positive, default=1024,

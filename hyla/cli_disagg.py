@@ -17,17 +17,10 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from hyla.cli import _Parser  # noqa: F401  (sub-parsers use the shared parser class)
-
-
-def _positive_float(value: str) -> float:
-    try:
-        v = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
-    return v
+from hyla.cli import (
+    _Parser,  # noqa: F401  (sub-parsers use the shared parser class)
+    positive_float,
+)
 
 
 def add_disagg_commands(sub) -> None:
@@ -37,15 +30,15 @@ def add_disagg_commands(sub) -> None:
     p.add_argument("--setup", default="published", choices=("published",),
                    help="hardware and model of the published case study (default)")
     p.add_argument("--trace", default=None, help="request trace CSV (replaces the workload)")
-    p.add_argument("--length-scale", type=_positive_float, default=1.0,
+    p.add_argument("--length-scale", type=positive_float, default=1.0,
                    help="multiply the trace's prompt lengths (say so in reports)")
-    p.add_argument("--output-scale", type=_positive_float, default=1.0,
+    p.add_argument("--output-scale", type=positive_float, default=1.0,
                    help="multiply the trace's output lengths")
-    p.add_argument("--rate", type=_positive_float, default=None,
+    p.add_argument("--rate", type=positive_float, default=None,
                    help="requests/s; default: search each deployment's capacity under the SLOs")
     p.add_argument("--arrivals", default=None, choices=("trace", "poisson", "gamma"),
                    help="arrival process (default: trace timestamps if any, else poisson)")
-    p.add_argument("--cv", type=_positive_float, default=2.0, help="gamma arrivals' CV")
+    p.add_argument("--cv", type=positive_float, default=2.0, help="gamma arrivals' CV")
     p.add_argument("--requests", type=int, default=300, help="requests simulated (default 300)")
     p.add_argument("--deployments", default="homogeneous,naive,prfaas")
     p.add_argument("--threshold", type=int, default=19_400, help="PrfaaS initial t (tokens)")
@@ -54,7 +47,7 @@ def add_disagg_commands(sub) -> None:
                    help="prefill instances of the 12 in homogeneous PD (default: grid's best)")
     p.add_argument("--prfaas-prefill", type=int, default=3,
                    help="local prefill instances of the 8 in PrfaaS (default: grid's best)")
-    p.add_argument("--link-gbps", type=_positive_float, default=100.0)
+    p.add_argument("--link-gbps", type=positive_float, default=100.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
     p.set_defaults(func=cmd_simulate)
