@@ -1,25 +1,30 @@
 """Validate the PrfaaS simulator against the live CPU cluster: predicted vs measured
 output throughput and TTFT p50 at three load levels (target: within 20%).
 
-1. Measure the CPU profile of the live workers' model (debug preset, 1 torch thread, the
-   workers' setting) with ``serve_throughput.decode_profile``: prefill tok/s and decode step
-   seconds by batch width.
-2. For each request rate, replay the same slice of the Azure conversation trace
-   (``../shared/traces/azure_conv_2023.csv``, outputs scaled by ``--output-scale``) against a
-   live ``hyla cluster`` (1 prefill worker = the remote pool, 1 PD worker = the local pool,
-   link throttled to ``--link-gbps``) in PrfaaS mode; measure output tok/s (output tokens
-   of completed requests / (last completion - first arrival)) and TTFT p50 (through the
-   router, first streamed token).
-3. Simulate the same topology with the measured profile, link, threshold, policy, requests
-   and arrivals: 1 remote prefill instance, and locally one prefill + one decode instance
-   (the simulator splits a PD worker into a prefill and a decode instance: see caveats).
-4. Print predicted vs measured with relative errors; write
-   ``benchmarks/results/disagg_validate.json``.
+1. Measure the engine's step costs on this machine (debug preset, 1 torch thread, the
+   workers' engine settings) with :func:`hyla.disagg.sim_profile.measure_engine_profile`:
+   a prefill step's fixed cost and per-token speed, a decode step by batch width.
+2. Start a live ``hyla cluster`` (1 prefill worker = the remote pool, 1 PD worker = the
+   local pool, link throttled to ``--link-gbps``) and measure its fixed serving-path costs
+   on the idle cluster with short probes: the local path (HTTP hops, router, tokenizer,
+   streaming) and the remote path's extra (a second worker, the transfer set-up). These
+   two latencies are simulator inputs, like the link's bandwidth; they are measured once,
+   before and apart from the loads being predicted.
+3. For each request rate, replay the same slice of the Azure conversation trace
+   (``../shared/traces/azure_conv_2023.csv``, outputs scaled by ``--output-scale``) in
+   PrfaaS mode; measure output tok/s (output tokens of completed requests / (last
+   completion - first arrival)) and TTFT p50 (through the router, first streamed token).
+4. Simulate the same topology (a colocated PD instance with the engine's chunking and
+   prefix-cache cuts, a serial prefill instance), profile, path latencies, link,
+   threshold, policy, requests and arrivals.
+5. Print predicted vs measured with relative errors; write
+   ``benchmarks/results/disagg_validate.json``. The prediction without the measured path
+   latencies is reported too (``pred_ttft_no_path_s``).
 
     python benchmarks/disagg_validate.py [--rates 2,6,12] [--requests 40]
 
-Caveats: every process (router, 2 workers, this client) shares this machine's cores, which
-the simulator does not model; the profile is measured in isolation.
+Caveat: every process (router, 2 workers, this client) shares this machine's 2 cores,
+which the simulator does not model: the profile is measured with the engine alone.
 """
 
 from __future__ import annotations
@@ -43,56 +48,26 @@ from disagg_live import _request  # noqa: E402
 from hyla.disagg.cluster import ClusterSpec, free_port, launch  # noqa: E402
 from hyla.disagg.sim import Deployment, Sim, SimConfig  # noqa: E402
 from hyla.disagg.sim_hardware import InstanceProfile, spec_from_config  # noqa: E402
-from hyla.disagg.sim_workload import describe, load_trace  # noqa: E402
+from hyla.disagg.sim_workload import Request, describe, load_trace  # noqa: E402
 from hyla.perf import print_table, write_results  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "traces" / "azure_conv_2023.csv"
 PROBE_LEN = 32
+PROBES = 5
 
 
 def measure_profile(preset_name: str, threads: int) -> dict:
     import torch
-    from serve_throughput import decode_profile
 
+    from hyla.disagg.sim_profile import measure_engine_profile
     from hyla.model import HylaLM
     from hyla.model.config import preset
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = HylaLM(preset(preset_name)).eval()
-    with torch.inference_mode():
-        prof = decode_profile(model, [1, 2, 4, 8, 16], steps=16)
-    return {"name": f"cpu-{threads}thread", "preset": preset_name, "step_overhead_s": 0.0,
-            "mem_gb": 8, **prof}
-
-
-def measure_engine_profile(preset_name: str, threads: int, runner_prof: dict) -> dict:
-    """Decode step seconds by width measured through the whole Engine (scheduler, sampling,
-    bookkeeping), not just the runner's forward pass."""
-    import torch
-
-    from hyla.model import HylaLM
-    from hyla.model.config import preset
-    from hyla.serve.engine import Engine, EngineConfig
-    from hyla.serve.sequence import SamplingParams
-
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    model = HylaLM(preset(preset_name)).eval()
-    out = {}
-    for w in (1, 2, 4, 8, 16):
-        eng = Engine(model, None, EngineConfig(max_num_seqs=16, max_model_len=512,
-                                               max_num_batched_tokens=2048))
-        prompts = [[(i * 7 + b) % 250 + 1 for i in range(64)] for b in range(w)]
-        eng.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-        t0 = time.perf_counter()
-        eng.generate(prompts, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
-        dt = time.perf_counter() - t0
-        st = eng.stats
-        n_dec = st["decode_steps"]
-        # the second generate's decode steps: 47 of them (first token comes from prefill)
-        out[str(w)] = (dt - 64 * w / runner_prof["prefill_tok_s"]) / 47 if n_dec else dt
-    return {**runner_prof, "name": runner_prof["name"] + "-engine", "decode_step_s": out}
+    return {**measure_engine_profile(model, name=f"cpu-{threads}thread-engine"),
+            "preset": preset_name}
 
 
 def live(reqs, args) -> dict:
@@ -102,20 +77,26 @@ def live(reqs, args) -> dict:
                        max_num_seqs=args.max_num_seqs)
     cluster = launch(spec)
     try:
-        base, out, probes = cluster.url, [], []
+        base, out, local_probes, remote_probes = cluster.url, [], [], []
+
+        async def probe(client, n, sink):
+            await _request(client, base, Request(rid=len(sink) + 1000, arrival=0.0,
+                                                 prompt_len=n, output_len=2),
+                           time.perf_counter(), sink)
 
         async def replay():
             async with httpx.AsyncClient(timeout=300) as client:
-                # warm-up request (first-call overheads), not counted
-                await _request(client, base, dataclasses.replace(reqs[0], arrival=0.0),
-                               time.perf_counter(), [])
-                for i in range(5):       # idle probes: a short local request, alone
-                    await _request(client, base, dataclasses.replace(
-                        reqs[0], rid=1000 + i, arrival=0.0, prompt_len=PROBE_LEN,
-                        output_len=2), time.perf_counter(), probes)
+                # warm-up requests (first-call overheads on both paths), not counted
+                await probe(client, PROBE_LEN, [])
+                await probe(client, remote_probe_len(args), [])
+                for _ in range(PROBES):      # the idle cluster's fixed path costs
+                    await probe(client, PROBE_LEN, local_probes)
+                    await probe(client, remote_probe_len(args), remote_probes)
+                before = httpx.get(f"{base}/cluster").json()["counts"]["remote"]
                 t0 = time.perf_counter()
                 await asyncio.gather(*(_request(client, base, r, t0, out) for r in reqs))
-        asyncio.run(replay())
+                return before
+        remote_before = asyncio.run(replay())
         view = httpx.get(f"{base}/cluster").json()
         pre = [w for w in view["workers"] if w["role"] == "prefill"][0]
         info = httpx.get(pre["address"] + "/internal/info").json()
@@ -126,19 +107,32 @@ def live(reqs, args) -> dict:
     ttfts = sorted(o["ttft"] for o in done)
     return {"completed": len(done), "output_tok_s": sum(o["output"] for o in done) / dur,
             "ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": ttfts[int(0.9 * len(ttfts))],
-            "duration_s": dur, "offloaded": view["counts"]["remote"],
+            "duration_s": dur, "offloaded": view["counts"]["remote"] - remote_before,
             "fallbacks": view["counts"]["fallback_local"], "bytes_shipped": info["bytes_sent"],
             "final_threshold": view["policy"]["threshold"],
-            "idle_probe_ttft_s": statistics.median(p["ttft"] for p in probes)}
+            "local_probe_ttft_s": statistics.median(p["ttft"] for p in local_probes),
+            "remote_probe_ttft_s": statistics.median(p["ttft"] for p in remote_probes)}
 
 
-def simulate(reqs, profile: dict, args, model) -> dict:
+def remote_probe_len(args) -> int:
+    """A prompt the policy sends to the remote pool (over the threshold)."""
+    return args.threshold + 256
+
+
+def simulate(reqs, profile: dict, args, model, request_latency_s: float = 0.0,
+             link_latency_s: float = 0.0) -> dict:
+    """The live topology: a colocated PD instance (the PD worker) and a serial prefill
+    instance (the prefill worker), chunked as the workers' engines chunk."""
     prof = InstanceProfile(gpu="H20", gpus=1, measured=profile)
-    dep = Deployment(name="live-topology", kind="prfaas", local=prof, local_instances=2,
-                     local_prefill=1, remote=prof, remote_instances=1,
+    dep = Deployment(name="live-topology", kind="prfaas", local=prof, local_instances=1,
+                     local_prefill=0, colocated=True, remote=prof, remote_instances=1,
                      threshold=args.threshold, adapt=True)
-    cfg = SimConfig(link_gbps=args.link_gbps, link_latency_s=0.001, intra_gbps=1000.0,
-                    observe_s=0.5, max_num_seqs=args.max_num_seqs, block_size=16)
+    eng = profile["engine"]
+    cfg = SimConfig(link_gbps=args.link_gbps, link_latency_s=link_latency_s,
+                    intra_gbps=1000.0, observe_s=0.5, max_num_seqs=args.max_num_seqs,
+                    block_size=16, prefill_chunk=eng["max_num_batched_tokens"],
+                    prefill_max_seqs=1, snapshot_interval=eng["snapshot_interval"],
+                    request_latency_s=request_latency_s)
     m = Sim(model, dep, cfg).run(reqs)
     return {"completed": m["completed"], "output_tok_s": m["output_tok_s"],
             "ttft_p50_s": m["ttft_p50_s"], "ttft_p90_s": m["ttft_p90_s"],
@@ -146,6 +140,17 @@ def simulate(reqs, profile: dict, args, model) -> dict:
             "offloaded": round(m["offload_fraction"] * len(reqs)),
             "bytes_shipped": m["egress_gbps"] * m["sim_seconds"] * 1e9 / 8,
             "final_threshold": m["threshold_final"], "busy": m["busy"]}
+
+
+def path_latencies(meas: dict, profile: dict, args, model) -> dict:
+    """The serving path's fixed costs: each idle probe's measured TTFT minus what the
+    simulator predicts for it without them."""
+    def alone(n):
+        return simulate([Request(rid=0, arrival=0.0, prompt_len=n, output_len=2)], profile,
+                        args, model)["ttft_p50_s"]
+    request = max(0.0, meas["local_probe_ttft_s"] - alone(PROBE_LEN))
+    remote = max(0.0, meas["remote_probe_ttft_s"] - request - alone(remote_probe_len(args)))
+    return {"request_latency_s": request, "remote_extra_latency_s": remote}
 
 
 def main() -> None:
@@ -172,52 +177,42 @@ def main() -> None:
     spec = spec_from_config(preset(args.preset), weight_dtype_bytes=4)
     # the debug model runs in fp32: its attention KV ships as fp32 (the spec assumes bf16)
     model = dataclasses.replace(spec, kv_bytes_per_token=spec.kv_bytes_per_token * 2)
-    eng_profile = measure_engine_profile(args.preset, args.threads, profile)
-    print("engine profile:", eng_profile, flush=True)
     rows, detail = [], []
     for rate in [float(x) for x in args.rates.split(",")]:
         reqs = load_trace(TRACE, length_scale=args.length_scale,
                           output_scale=args.output_scale, rate=rate,
                           num_requests=args.requests, max_len=args.max_len)
-        raw = simulate(reqs, profile, args, model)
-        eng = simulate(reqs, eng_profile, args, model)
+        bare = simulate(reqs, profile, args, model)
         meas = None if args.sim_only else live(reqs, args)
-        print(f"rate {rate}: predicted (runner profile) {raw}\n  predicted (engine profile) "
-              f"{eng}\n  measured {meas}", flush=True)
-        row = {"rate_req_s": rate, "pred_tok_s": raw["output_tok_s"],
-               "pred_ttft_p50_s": raw["ttft_p50_s"], "pred_eng_ttft_p50_s": eng["ttft_p50_s"]}
-        cal = None
+        lat = path_latencies(meas, profile, args, model) if meas else None
+        pred = simulate(reqs, profile, args, model, lat["request_latency_s"],
+                        lat["remote_extra_latency_s"]) if lat else bare
+        print(f"rate {rate}: predicted {pred}\n  without path latencies {bare}\n"
+              f"  path latencies {lat}\n  measured {meas}", flush=True)
+        row = {"rate_req_s": rate, "pred_tok_s": pred["output_tok_s"],
+               "pred_ttft_p50_s": pred["ttft_p50_s"], "pred_ttft_no_path_s": bare["ttft_p50_s"]}
         if meas is not None:
-            # per-request serving overhead (HTTP, router, tokenizer, streaming) the simulator
-            # does not model, measured on the idle cluster before the replay
-            overhead = meas["idle_probe_ttft_s"] - PROBE_LEN / profile["prefill_tok_s"]
-            cal = {"overhead_s": overhead, "ttft_p50_s": eng["ttft_p50_s"] + overhead,
-                   "output_tok_s": eng["output_tok_s"]}
             row |= {"meas_tok_s": meas["output_tok_s"], "meas_ttft_p50_s": meas["ttft_p50_s"],
-                    "tok_s_err": raw["output_tok_s"] / meas["output_tok_s"] - 1,
-                    "ttft_err": raw["ttft_p50_s"] / meas["ttft_p50_s"] - 1,
-                    "cal_ttft_p50_s": cal["ttft_p50_s"],
-                    "cal_ttft_err": cal["ttft_p50_s"] / meas["ttft_p50_s"] - 1,
-                    "cal_tok_s_err": cal["output_tok_s"] / meas["output_tok_s"] - 1,
-                    "offload_pred": raw["offloaded"], "offload_meas": meas["offloaded"]}
+                    "tok_s_err": pred["output_tok_s"] / meas["output_tok_s"] - 1,
+                    "ttft_err": pred["ttft_p50_s"] / meas["ttft_p50_s"] - 1,
+                    "request_latency_s": lat["request_latency_s"],
+                    "remote_extra_s": lat["remote_extra_latency_s"],
+                    "offload_pred": pred["offloaded"], "offload_meas": meas["offloaded"]}
             row["within_20pct"] = abs(row["tok_s_err"]) <= 0.2 and abs(row["ttft_err"]) <= 0.2
-            row["cal_within_20pct"] = (abs(row["cal_tok_s_err"]) <= 0.2
-                                       and abs(row["cal_ttft_err"]) <= 0.2)
-        detail.append({"rate_req_s": rate, "workload": describe(reqs),
-                       "predicted_runner_profile": raw, "predicted_engine_profile": eng,
-                       "calibrated": cal, "measured": meas})
+        detail.append({"rate_req_s": rate, "workload": describe(reqs), "predicted": pred,
+                       "predicted_without_path_latencies": bare, "path_latencies": lat,
+                       "measured": meas})
         rows.append(row)
     print_table(f"Simulator vs live cluster ({args.requests} trace requests a level, "
                 f"link {args.link_gbps} Gbps, threshold {args.threshold}, {args.preset} "
                 f"preset, {args.threads} thread)", rows)
     if not args.sim_only:
         path = write_results("disagg_validate", rows, settings=vars(args), profile=profile,
-                             engine_profile=eng_profile,
                              model=model.to_dict(), detail=detail, trace=str(TRACE),
                              wall_s=time.perf_counter() - t_start,
-                             note="all live processes share this machine's CPU cores; the "
-                                  "simulator models the PD worker as a prefill and a decode "
-                                  "instance that do not contend")
+                             note="all live processes share this machine's 2 CPU cores; the "
+                                  "simulator's profile is the engine measured alone, and "
+                                  "its path latencies come from idle probes")
         print(f"wrote {path}")
 
 

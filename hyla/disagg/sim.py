@@ -15,6 +15,14 @@ Deployments (:class:`Deployment`), all prefill/decode disaggregated:
   to the remote cluster and keeps the rest on the local prefill instances; it observes the
   link and both queues every ``observe_s`` and moves its threshold.
 
+``colocated=True`` makes every local instance a PD instance, as a hyla PD worker is: one
+scheduler that prefills local requests and decodes everything, in mixed steps (then
+``local_prefill`` must be 0). ``SimConfig`` can also mirror hyla's own engine where the
+simulator is checked against it: ``snapshot_interval`` cuts local prefill chunks at GLA
+snapshot boundaries (the engine's prefix cache), ``prefill_max_seqs=1`` makes a prefill
+instance serial (a hyla prefill worker), and ``request_latency_s`` delays every request by
+the serving path's fixed cost (HTTP hops, router, tokenizer), measured on the idle system.
+
 The inter-cluster link is one FIFO pipe of ``link_gbps`` plus ``link_latency_s``; a state
 is sent once its prefill ends (the published system pipelines layers; at these sizes a
 transfer takes tens of milliseconds either way). Prefix caches are per cluster: a session's
@@ -23,7 +31,8 @@ and its previous prompt in the cluster that prefilled it; linear-attention state
 match exactly at those boundaries. Cache capacity is unbounded (an assumption).
 
 TTFT is measured up to the moment the decode instance holds the state (prefill, queueing
-and the transfer); TPOT is the mean time per later token.
+and the transfer), or for a request prefilled on a PD instance to the end of the step that
+samples its first token; TPOT is the mean time per later token.
 """
 
 from __future__ import annotations
@@ -45,7 +54,8 @@ KINDS = ("homogeneous", "naive", "prfaas")
 @dataclass(kw_only=True)
 class Deployment:
     """Hardware and policy of one deployment. ``local_prefill``: local instances that
-    prefill (the rest decode). ``remote``: instances of the remote prefill cluster."""
+    prefill (the rest decode). ``remote``: instances of the remote prefill cluster.
+    ``colocated``: every local instance prefills and decodes (``local_prefill`` = 0)."""
 
     name: str
     kind: str
@@ -56,12 +66,19 @@ class Deployment:
     remote_instances: int = 0
     threshold: int = 19_400
     adapt: bool = True
+    colocated: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"deployment kind must be one of {KINDS}, got {self.kind!r}")
         if self.kind != "homogeneous" and (self.remote is None or self.remote_instances < 1):
             raise ValueError(f"{self.kind} needs a remote prefill cluster")
+        if self.colocated:
+            if self.local_prefill != 0 or self.local_instances < 1:
+                raise ValueError(f"{self.name}: colocated PD instances need local_prefill=0 "
+                                 f"and >= 1 local instance, got {self.local_prefill} of "
+                                 f"{self.local_instances}")
+            return
         n_dec = self.local_instances - self.local_prefill
         need_local_prefill = self.kind == "homogeneous"
         if n_dec < 1 or self.local_prefill < int(need_local_prefill):
@@ -87,16 +104,23 @@ class SimConfig:
     ttft_tok_s: float = 2_000.0
     tpot_slo_s: float = 0.1
     router: RouterConfig | None = None
+    prefill_max_seqs: int = 16      # sequences a prefill instance batches in one step
+    snapshot_interval: int = 0      # > 0: cut local prefill chunks as hyla's prefix cache does
+    request_latency_s: float = 0.0  # fixed serving-path delay before a request is placed
 
 
 class Instance:
-    """One replica: a Scheduler and the SimPy process that runs its engine steps."""
+    """One replica: a Scheduler and the SimPy process that runs its engine steps.
+
+    ``role``: "prefill" (prefill only, the state is shipped), "decode" (decode shipped
+    states) or "pd" (prefill local requests and decode everything, in mixed steps)."""
 
     def __init__(self, sim: Sim, name: str, prof: InstanceProfile, role: str):
         self.sim, self.name, self.prof, self.role = sim, name, prof, role
         m, c = sim.model, sim.cfg
         if role == "prefill":
-            cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=c.prefill_chunk,
+            cfg = SchedulerConfig(max_num_seqs=c.prefill_max_seqs,
+                                  max_num_batched_tokens=c.prefill_chunk,
                                   max_model_len=1 << 22, enable_prefix_caching=False)
         else:
             free = prof.free_bytes(m) - c.max_num_seqs * m.state_bytes
@@ -105,10 +129,14 @@ class Instance:
                                  f"{prof.label()} beside the weights")
             blocks = int(free // (c.block_size * m.kv_bytes_per_token)) \
                 if m.kv_bytes_per_token else 0
+            snapshots = role == "pd" and c.snapshot_interval > 0 and "G" in m.layers
             cfg = SchedulerConfig(max_num_seqs=c.max_num_seqs,
-                                  max_num_batched_tokens=c.max_num_seqs,
+                                  max_num_batched_tokens=c.prefill_chunk if role == "pd"
+                                  else c.max_num_seqs,
                                   max_model_len=1 << 22, block_size=c.block_size,
-                                  num_kv_blocks=blocks, enable_prefix_caching=False)
+                                  num_kv_blocks=blocks, enable_prefix_caching=snapshots,
+                                  num_state_snapshots=c.max_num_seqs if snapshots else 0,
+                                  snapshot_interval=c.snapshot_interval or 512)
         self.sched = Scheduler(cfg)
         self.queued_tokens = 0          # prefill tokens not yet computed
         self.busy_s = 0.0
@@ -116,7 +144,7 @@ class Instance:
         sim.env.process(self.run())
 
     def add(self, seq: Sequence) -> None:
-        if self.role == "prefill":
+        if seq.external_state is None:
             self.queued_tokens += seq.num_prompt_tokens - seq.num_computed_tokens
         self.sched.add(seq)
         if not self.wake.triggered:
@@ -143,6 +171,12 @@ class Instance:
             for c in out.prefills:
                 if c.samples:
                     sampled[c.seq.request_id] = 0
+            if self.role == "pd":
+                # a local request's first token: its first sample, from a prefill chunk or
+                # (when the last prompt token is left over) a decode step; a shipped state
+                # already recorded it on arrival
+                for rid in sampled:
+                    self.sim.rec[rid].setdefault("first_token", env.now)
             for seq in self.sched.update(out, sampled):
                 self.sim.on_finished(self, seq)
 
@@ -157,7 +191,8 @@ class Sim:
         n_dec = dep.local_instances - dep.local_prefill
         self.local_p = [Instance(self, f"lp{i}", dep.local, "prefill")
                         for i in range(dep.local_prefill)]
-        self.decode = [Instance(self, f"d{i}", dep.local, "decode") for i in range(n_dec)]
+        role = "pd" if dep.colocated else "decode"
+        self.decode = [Instance(self, f"d{i}", dep.local, role) for i in range(n_dec)]
         self.remote_p = [Instance(self, f"rp{i}", dep.remote, "prefill")
                          for i in range(dep.remote_instances)] if dep.remote else []
         rc = self.cfg.router or RouterConfig()
@@ -189,24 +224,27 @@ class Sim:
         if d.cache_transfer is not None:
             self.egress_bytes += self.model.transfer_bytes(d.cache_transfer[2]) \
                 if d.cache_transfer[0] == REMOTE else 0.0
-        if d.target == LOCAL and not self.local_p:
+        if d.target == LOCAL and not self.local_p and not self.dep.colocated:
             # No local prefill instance: the deployment cannot keep it local.
             return REMOTE, cached[REMOTE]
         return d.target, d.cached_tokens
 
     def arrive(self, r: Request):
-        yield self.env.timeout(max(0.0, r.arrival - self.env.now))
+        yield self.env.timeout(max(0.0, r.arrival - self.env.now) + self.cfg.request_latency_s)
         rid = str(r.rid)
         self.reqs[rid] = r
         cluster, cached = self._place(r)
         cached = min(cached, r.prompt_len - 1)
         self.rec[rid] = {"arrival": r.arrival, "cluster": cluster, "cached": cached,
                          "incremental": r.prompt_len - cached}
-        pool = self.remote_p if cluster == REMOTE else self.local_p
-        inst = min(pool, key=lambda i: i.queued_tokens)
-        seq = Sequence(rid, _prompt(r.prompt_len), SamplingParams(max_tokens=1,
-                                                                  ignore_eos=True),
-                       arrival_time=self.env.now)
+        pd = cluster == LOCAL and self.dep.colocated
+        pool = self.remote_p if cluster == REMOTE else (self.decode if pd else self.local_p)
+        inst = min(pool, key=lambda i: (i.queued_tokens, i.load()))
+        # A PD instance's prefix cache hashes the prompt: give every request its own ids.
+        ids = [r.rid + 1] * r.prompt_len if pd and self.cfg.snapshot_interval else \
+            _prompt(r.prompt_len)
+        seq = Sequence(rid, ids, SamplingParams(max_tokens=r.output_len if pd else 1,
+                                                ignore_eos=True), arrival_time=self.env.now)
         seq.num_computed_tokens = cached
         inst.add(seq)
 
@@ -255,6 +293,7 @@ class Sim:
 
     # -- short-timescale control -----------------------------------------------------------
     def _queue_s(self, pool: list[Instance]) -> float:
+        """Seconds of prefill queued on a pool's instances, at their prefill speed."""
         if not pool:
             return 0.0
         rate = sum(1.0 / step_time(i.prof, self.model, [(0, 8192)], 0) * 8192 for i in pool)
@@ -268,7 +307,8 @@ class Sim:
             self._window_bytes = 0.0
             self.router.observe(self.env.now, egress_gbps=gbps,
                                 remote_queue_s=self._queue_s(self.remote_p),
-                                local_queue_s=self._queue_s(self.local_p))
+                                local_queue_s=self._queue_s(
+                                    self.decode if self.dep.colocated else self.local_p))
 
     def run(self, requests: list[Request], horizon_s: float | None = None) -> dict:
         """Simulate ``requests`` to completion (or ``horizon_s``); returns the metrics."""

@@ -198,7 +198,9 @@ def step_time(prof: InstanceProfile, model: ModelSpec, chunks: list[tuple[int, i
 def _measured_step(m: dict, n_pre: int, n_dec: int) -> float:
     t = 0.0
     if n_pre:
-        t += n_pre / m["prefill_tok_s"]
+        # a prefill forward pass has a fixed cost (per-layer launches, sampling) beside
+        # its per-token cost; small models on a CPU are dominated by it
+        t += float(m.get("prefill_overhead_s", 0.0)) + n_pre / m["prefill_tok_s"]
     if n_dec:
         table = {int(k): float(v) for k, v in m["decode_step_s"].items()}
         widths = sorted(table)
@@ -218,6 +220,7 @@ def load_measured_profile(path: str | pathlib.Path) -> InstanceProfile:
 
         {"name": "cpu-2core", "preset": "small",
          "prefill_tok_s": 5200.0,                      # prompt tokens per second
+         "prefill_overhead_s": 0.004,                  # optional: fixed cost of a prefill step
          "decode_step_s": {"1": 0.011, "8": 0.019, "32": 0.05},  # step time by batch width
          "step_overhead_s": 0.0,                       # optional
          "mem_gb": 16.0}                               # optional, memory for KV/state
@@ -228,6 +231,8 @@ def load_measured_profile(path: str | pathlib.Path) -> InstanceProfile:
             raise ValueError(f"measured profile {path} lacks {key!r}")
     if not data["decode_step_s"] or float(data["prefill_tok_s"]) <= 0:
         raise ValueError(f"measured profile {path}: need prefill_tok_s > 0 and decode_step_s")
+    if float(data.get("prefill_overhead_s", 0.0)) < 0:
+        raise ValueError(f"measured profile {path}: prefill_overhead_s must be >= 0")
     return InstanceProfile(gpu="H20", gpus=1, measured=data)
 
 
