@@ -222,7 +222,9 @@ class LiveRouter:
         target = self.cfg.force or self.policy.route(len(ids), None,
                                                      time.monotonic() - self.t0).target
         if target == "remote":
-            p = self._pick(self.prefill, cap=self.cfg.max_remote_inflight)
+            # forced remote (a baseline) queues at the prefill pool instead of falling back
+            cap = None if self.cfg.force == "remote" else self.cfg.max_remote_inflight
+            p = self._pick(self.prefill, cap=cap)
             d = self._pick(self.decode, need_transfer=True)
             if p is None or d is None:
                 self._fallback("remote pool saturated or down" if p is None
