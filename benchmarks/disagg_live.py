@@ -59,7 +59,7 @@ async def _request(client, base, req, t0, out):
     except httpx.HTTPError:
         pass
     now = time.perf_counter()
-    out.append({"ok": ok, "ttft": ttft, "e2e": now - start, "end": now - t0,
+    out.append({"rid": req.rid, "ok": ok, "ttft": ttft, "e2e": now - start, "end": now - t0,
                 "output": req.output_len, "prompt": req.prompt_len})
 
 

@@ -111,7 +111,8 @@ def live(reqs, args) -> dict:
             "fallbacks": view["counts"]["fallback_local"], "bytes_shipped": info["bytes_sent"],
             "final_threshold": view["policy"]["threshold"],
             "local_probe_ttft_s": statistics.median(p["ttft"] for p in local_probes),
-            "remote_probe_ttft_s": statistics.median(p["ttft"] for p in remote_probes)}
+            "remote_probe_ttft_s": statistics.median(p["ttft"] for p in remote_probes),
+            "ttft_by_rid": {o["rid"]: o["ttft"] for o in done}}
 
 
 def remote_probe_len(args) -> int:
@@ -159,6 +160,8 @@ def main() -> None:
                     help="req/s, comma list: three load levels (on this 2-core VM: 2 low, "
                          "6 medium, 12 where TTFT starts to climb; ~20-35 saturates)")
     ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="live runs a level (each with its own profile); medians reported")
     ap.add_argument("--preset", default="debug")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-num-seqs", type=int, default=16)
@@ -172,8 +175,6 @@ def main() -> None:
     from hyla.model.config import preset
 
     t_start = time.perf_counter()
-    profile = measure_profile(args.preset, args.threads)
-    print("profile:", profile, flush=True)
     spec = spec_from_config(preset(args.preset), weight_dtype_bytes=4)
     # the debug model runs in fp32: its attention KV ships as fp32 (the spec assumes bf16)
     model = dataclasses.replace(spec, kv_bytes_per_token=spec.kv_bytes_per_token * 2)
@@ -182,32 +183,46 @@ def main() -> None:
         reqs = load_trace(TRACE, length_scale=args.length_scale,
                           output_scale=args.output_scale, rate=rate,
                           num_requests=args.requests, max_len=args.max_len)
-        bare = simulate(reqs, profile, args, model)
-        meas = None if args.sim_only else live(reqs, args)
-        lat = path_latencies(meas, profile, args, model) if meas else None
-        pred = simulate(reqs, profile, args, model, lat["request_latency_s"],
-                        lat["remote_extra_latency_s"]) if lat else bare
-        print(f"rate {rate}: predicted {pred}\n  without path latencies {bare}\n"
-              f"  path latencies {lat}\n  measured {meas}", flush=True)
-        row = {"rate_req_s": rate, "pred_tok_s": pred["output_tok_s"],
-               "pred_ttft_p50_s": pred["ttft_p50_s"], "pred_ttft_no_path_s": bare["ttft_p50_s"]}
-        if meas is not None:
-            row |= {"meas_tok_s": meas["output_tok_s"], "meas_ttft_p50_s": meas["ttft_p50_s"],
-                    "tok_s_err": pred["output_tok_s"] / meas["output_tok_s"] - 1,
-                    "ttft_err": pred["ttft_p50_s"] / meas["ttft_p50_s"] - 1,
-                    "request_latency_s": lat["request_latency_s"],
-                    "remote_extra_s": lat["remote_extra_latency_s"],
-                    "offload_pred": pred["offloaded"], "offload_meas": meas["offloaded"]}
+        runs = []
+        for k in range(args.repeats):
+            # this VM's speed drifts by tens of percent within minutes: every prediction
+            # uses a profile measured just before the live run it is compared with
+            profile = measure_profile(args.preset, args.threads)
+            bare = simulate(reqs, profile, args, model)
+            meas = None if args.sim_only else live(reqs, args)
+            lat = path_latencies(meas, profile, args, model) if meas else None
+            pred = simulate(reqs, profile, args, model, lat["request_latency_s"],
+                            lat["remote_extra_latency_s"]) if lat else bare
+            print(f"rate {rate} repeat {k}: predicted {pred}\n  without path latencies "
+                  f"{bare}\n  path latencies {lat}\n  measured "
+                  f"{ {k: v for k, v in (meas or {}).items() if k != 'ttft_by_rid'} }",
+                  flush=True)
+            runs.append({"profile": profile, "predicted": pred,
+                         "predicted_without_path_latencies": bare, "path_latencies": lat,
+                         "measured": meas})
+
+        def med(kind, key, runs=runs):
+            return statistics.median(r[kind][key] for r in runs)
+        row = {"rate_req_s": rate, "pred_tok_s": med("predicted", "output_tok_s"),
+               "pred_ttft_p50_s": med("predicted", "ttft_p50_s"),
+               "pred_ttft_no_path_s": med("predicted_without_path_latencies", "ttft_p50_s")}
+        if not args.sim_only:
+            row |= {"meas_tok_s": med("measured", "output_tok_s"),
+                    "meas_ttft_p50_s": med("measured", "ttft_p50_s"),
+                    "request_latency_s": med("path_latencies", "request_latency_s"),
+                    "remote_extra_s": med("path_latencies", "remote_extra_latency_s"),
+                    "offload_pred": med("predicted", "offloaded"),
+                    "offload_meas": med("measured", "offloaded")}
+            row["tok_s_err"] = row["pred_tok_s"] / row["meas_tok_s"] - 1
+            row["ttft_err"] = row["pred_ttft_p50_s"] / row["meas_ttft_p50_s"] - 1
             row["within_20pct"] = abs(row["tok_s_err"]) <= 0.2 and abs(row["ttft_err"]) <= 0.2
-        detail.append({"rate_req_s": rate, "workload": describe(reqs), "predicted": pred,
-                       "predicted_without_path_latencies": bare, "path_latencies": lat,
-                       "measured": meas})
+        detail.append({"rate_req_s": rate, "workload": describe(reqs), "runs": runs})
         rows.append(row)
     print_table(f"Simulator vs live cluster ({args.requests} trace requests a level, "
                 f"link {args.link_gbps} Gbps, threshold {args.threshold}, {args.preset} "
                 f"preset, {args.threads} thread)", rows)
     if not args.sim_only:
-        path = write_results("disagg_validate", rows, settings=vars(args), profile=profile,
+        path = write_results("disagg_validate", rows, settings=vars(args),
                              model=model.to_dict(), detail=detail, trace=str(TRACE),
                              wall_s=time.perf_counter() - t_start,
                              note="all live processes share this machine's 2 CPU cores; the "

@@ -180,7 +180,7 @@ def step_time(prof: InstanceProfile, model: ModelSpec, chunks: list[tuple[int, i
         ctx_sum, n_dec = sum(decode_ctx), len(decode_ctx)
     n_pre = sum(n for _, n in chunks)
     if prof.measured is not None:
-        return _measured_step(prof.measured, n_pre, n_dec)
+        return _measured_step(prof.measured, n_pre, n_dec, ctx_sum)
     tokens = n_pre + n_dec
     if tokens == 0:
         return 0.0
@@ -195,7 +195,7 @@ def step_time(prof: InstanceProfile, model: ModelSpec, chunks: list[tuple[int, i
     return max(flops / prof.flops, nbytes / prof.bandwidth) + prof.step_overhead_s
 
 
-def _measured_step(m: dict, n_pre: int, n_dec: int) -> float:
+def _measured_step(m: dict, n_pre: int, n_dec: int, ctx_sum: int = 0) -> float:
     t = 0.0
     if n_pre:
         # a prefill forward pass has a fixed cost (per-layer launches, sampling) beside
@@ -210,6 +210,10 @@ def _measured_step(m: dict, n_pre: int, n_dec: int) -> float:
             t += table[lo] * (n_dec / lo if n_dec > lo else 1.0)
         else:
             t += table[lo] + (table[hi] - table[lo]) * (n_dec - lo) / (hi - lo)
+        # the table holds steps at decode_context tokens a sequence; longer contexts cost
+        # decode_ctx_s a token more (attention reads them)
+        extra = ctx_sum - n_dec * int(m.get("decode_context", 0))
+        t += max(0.0, extra) * float(m.get("decode_ctx_s", 0.0))
     return t + float(m.get("step_overhead_s", 0.0))
 
 
@@ -222,6 +226,8 @@ def load_measured_profile(path: str | pathlib.Path) -> InstanceProfile:
          "prefill_tok_s": 5200.0,                      # prompt tokens per second
          "prefill_overhead_s": 0.004,                  # optional: fixed cost of a prefill step
          "decode_step_s": {"1": 0.011, "8": 0.019, "32": 0.05},  # step time by batch width
+         "decode_context": 32,                         # optional: their tokens a sequence
+         "decode_ctx_s": 2e-7,                         # optional: + seconds a context token
          "step_overhead_s": 0.0,                       # optional
          "mem_gb": 16.0}                               # optional, memory for KV/state
     """

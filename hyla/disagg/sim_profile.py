@@ -7,7 +7,9 @@ shape at a time, and returns the JSON that
 
 - ``prefill_overhead_s`` and ``prefill_tok_s``: a least-squares line through the times of
   prefill-only steps against their token counts (fixed cost + tokens / speed);
-- ``decode_step_s``: the median decode-only step by batch width.
+- ``decode_step_s``: the median decode-only step by batch width, every sequence at
+  ``decode_context`` tokens, and ``decode_ctx_s``: the extra seconds per token of context
+  beyond that (from the same widths at ``long_context``).
 
 The engine is built as a PD worker builds it (same chunk budget and snapshot interval), so
 its steps cost what the live worker's do when it has the machine to itself.
@@ -34,8 +36,9 @@ def _fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
 def measure_engine_profile(model, *, max_num_seqs: int = 16,
                            max_num_batched_tokens: int = 1024, snapshot_interval: int = 256,
                            prompt_lens: tuple[int, ...] = (16, 64, 128, 256, 512, 1024),
-                           widths: tuple[int, ...] = (1, 2, 4, 8, 16), repeats: int = 5,
-                           decode_steps: int = 24, name: str = "cpu") -> dict:
+                           widths: tuple[int, ...] = (1, 2, 4, 8, 16), repeats: int = 7,
+                           decode_steps: int = 16, short_context: int = 32,
+                           long_context: int = 1024, name: str = "cpu") -> dict:
     """Step costs of ``model`` in an :class:`~hyla.serve.engine.Engine` on this machine."""
     import torch
 
@@ -44,7 +47,8 @@ def measure_engine_profile(model, *, max_num_seqs: int = 16,
 
     vocab = model.cfg.vocab_size
     eng = Engine(model, None, EngineConfig(
-        max_num_seqs=max(max_num_seqs, max(widths)), max_model_len=max(prompt_lens) + 64,
+        max_num_seqs=max(max_num_seqs, max(widths)),
+        max_model_len=max(*prompt_lens, long_context) + decode_steps + 64,
         max_num_batched_tokens=max_num_batched_tokens, snapshot_interval=snapshot_interval))
     salt = iter(range(1, 1 << 30))
 
@@ -68,24 +72,38 @@ def measure_engine_profile(model, *, max_num_seqs: int = 16,
     with torch.inference_mode():
         one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         eng.generate([prompt(32)], one)                     # first-call costs
-        points = []
-        for n in prompt_lens:
-            for _ in range(repeats):
+        # Timings on a shared machine drift by tens of percent within seconds: take the
+        # median step time per token count over repeats spread across the whole sweep.
+        by_tokens: dict[int, list[float]] = {}
+        for _ in range(repeats):
+            for n in prompt_lens:
                 eng.add_request(prompt(n), one)
-                points += [(p, t) for p, d, t in timed_steps() if p and not d]
+                for p, d, t in timed_steps():
+                    if p and not d:
+                        by_tokens.setdefault(p, []).append(t)
+        points = [(p, statistics.median(ts)) for p, ts in sorted(by_tokens.items())]
         overhead, per_token = _fit_line(points)
-        decode = {}
-        for w in widths:
-            params = SamplingParams(max_tokens=decode_steps + 1, temperature=0,
-                                    ignore_eos=True)
-            for _ in range(w):
-                eng.add_request(prompt(32), params)
-            ts = [t for p, d, t in timed_steps() if not p and d == w]
-            decode[str(w)] = statistics.median(ts)
+        params = SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True)
+        contexts = (short_context, long_context)
+        by_shape: dict[tuple[int, int], list[float]] = {}
+        for _ in range(repeats):
+            for w in widths:
+                for ctx in contexts:
+                    for _ in range(w):
+                        eng.add_request(prompt(ctx), params)
+                    by_shape.setdefault((w, ctx), []).extend(
+                        t for p, d, t in timed_steps() if not p and d == w)
+        step = {k: statistics.median(ts) for k, ts in by_shape.items()}
+        decode = {str(w): step[w, short_context] for w in widths}
+        # attention reads every cached token: the extra cost per token of context
+        per_ctx = statistics.median(
+            (step[w, long_context] - step[w, short_context])
+            / (w * (long_context - short_context)) for w in widths)
     return {"name": name, "prefill_tok_s": 1.0 / max(per_token, 1e-12),
             "prefill_overhead_s": max(overhead, 0.0), "decode_step_s": decode,
+            "decode_context": short_context, "decode_ctx_s": max(per_ctx, 0.0),
             "step_overhead_s": 0.0, "mem_gb": 8,
             "engine": {"max_num_batched_tokens": max_num_batched_tokens,
                        "snapshot_interval": snapshot_interval,
                        "threads": torch.get_num_threads()},
-            "prefill_points": len(points)}
+            "prefill_points": points}

@@ -121,7 +121,7 @@ def add_decode_routes(app: FastAPI, engine: AsyncEngine, receiver: StateReceiver
                 "max_model_len": e.config.max_model_len, "tokens_per_s": tps,
                 "queue_s": load["queued_prompt_tokens"] / tps, **load,
                 "prefill_time_s": s["prefill_time_s"], "decode_time_s": s["decode_time_s"],
-                "transfers": dict(receiver.stats)}
+                "engine_stats": dict(s), "transfers": dict(receiver.stats)}
 
     if fault_injection_enabled():
         @app.post("/internal/fault")
