@@ -5,26 +5,28 @@ output throughput and TTFT p50 at three load levels (target: within 20%).
    workers' engine settings) with :func:`hyla.disagg.sim_profile.measure_engine_profile`:
    a prefill step's fixed cost and per-token speed, a decode step by batch width.
 2. Start a live ``hyla cluster`` (1 prefill worker = the remote pool, 1 PD worker = the
-   local pool, link throttled to ``--link-gbps``) and measure its fixed serving-path costs
-   on the idle cluster with short probes: the local path (HTTP hops, router, tokenizer,
-   streaming) and the remote path's extra (a second worker, the transfer set-up). These
-   two latencies are simulator inputs, like the link's bandwidth; they are measured once,
-   before and apart from the loads being predicted.
+   local pool, link throttled to ``--link-gbps``) and measure the serving path on the idle
+   cluster with short probes: its CPU work per request and per streamed token (CPU time of
+   the router, the workers and this client, less the decode engine's steps), the local
+   path's fixed latency (HTTP hops, router, tokenizer) and the remote path's extra (a
+   second worker, the transfer set-up). These are simulator inputs, like the link's
+   bandwidth, measured before and apart from the loads being predicted.
 3. For each request rate, replay the same slice of the Azure conversation trace
    (``../shared/traces/azure_conv_2023.csv``, outputs scaled by ``--output-scale``) in
    PrfaaS mode; measure output tok/s (output tokens of completed requests / (last
    completion - first arrival)) and TTFT p50 (through the router, first streamed token).
 4. Simulate the same topology (a colocated PD instance with the engine's chunking and
-   prefix-cache cuts, a serial prefill instance), profile, path latencies, link,
+   prefix-cache cuts, a serial prefill instance) on this machine's cores (processor
+   sharing of engine steps and serving work), with the profile, serving costs, link,
    threshold, policy, requests and arrivals.
-5. Print predicted vs measured with relative errors; write
-   ``benchmarks/results/disagg_validate.json``. The prediction without the measured path
-   latencies is reported too (``pred_ttft_no_path_s``).
+5. Repeat 1-4 ``--repeats`` times a level; print the medians of predicted and measured
+   with relative errors; write ``benchmarks/results/disagg_validate.json``. The engine-only
+   prediction (no serving costs, no shared cores) is reported too.
 
     python benchmarks/disagg_validate.py [--rates 2,6,12] [--requests 40]
 
-Caveat: every process (router, 2 workers, this client) shares this machine's 2 cores,
-which the simulator does not model: the profile is measured with the engine alone.
+Caveats: the machine's speed drifts between runs (tens of percent); GIL contention inside
+a worker and garbage-collection pauses are not modelled.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import pathlib
 import statistics
 import sys
@@ -54,6 +57,7 @@ from hyla.perf import print_table, write_results  # noqa: E402
 TRACE = ROOT.parent / "shared" / "traces" / "azure_conv_2023.csv"
 PROBE_LEN = 32
 PROBES = 5
+LONG_PROBE_TOKENS = 16      # extra streamed tokens of the probes that price a token
 
 
 def measure_profile(preset_name: str, threads: int) -> dict:
@@ -70,6 +74,12 @@ def measure_profile(preset_name: str, threads: int) -> dict:
             "preset": preset_name}
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def live(reqs, args) -> dict:
     spec = ClusterSpec(preset=args.preset, port=free_port(), prefill_workers=1,
                        decode_workers=1, link_gbps=args.link_gbps, threshold=args.threshold,
@@ -78,10 +88,19 @@ def live(reqs, args) -> dict:
     cluster = launch(spec)
     try:
         base, out, local_probes, remote_probes = cluster.url, [], [], []
+        view = httpx.get(f"{base}/cluster").json()
+        pids = [view["router"]["pid"]] + [w["pid"] for w in view["workers"]]
+        decode_url = [w for w in view["workers"] if w["role"] == "decode"][0]["address"]
 
-        async def probe(client, n, sink):
+        def serving_cpu_s() -> float:
+            """CPU seconds of every process (router, workers, this client) minus the decode
+            engine's steps: the serving path's CPU work."""
+            steps = httpx.get(f"{decode_url}/internal/info").json()["engine_stats"]
+            return sum(map(_cpu_s, pids)) + time.process_time() - steps["step_time_s"]
+
+        async def probe(client, n, sink, output_len=2):
             await _request(client, base, Request(rid=len(sink) + 1000, arrival=0.0,
-                                                 prompt_len=n, output_len=2),
+                                                 prompt_len=n, output_len=output_len),
                            time.perf_counter(), sink)
 
         async def replay():
@@ -89,14 +108,22 @@ def live(reqs, args) -> dict:
                 # warm-up requests (first-call overheads on both paths), not counted
                 await probe(client, PROBE_LEN, [])
                 await probe(client, remote_probe_len(args), [])
-                for _ in range(PROBES):      # the idle cluster's fixed path costs
+                # the idle cluster's serving CPU per request and per streamed token, and
+                # its fixed path latencies
+                cpu = [serving_cpu_s()]
+                for _ in range(PROBES):
                     await probe(client, PROBE_LEN, local_probes)
+                cpu.append(serving_cpu_s())
+                for _ in range(PROBES):
+                    await probe(client, PROBE_LEN, [], output_len=2 + LONG_PROBE_TOKENS)
+                cpu.append(serving_cpu_s())
+                for _ in range(PROBES):
                     await probe(client, remote_probe_len(args), remote_probes)
                 before = httpx.get(f"{base}/cluster").json()["counts"]["remote"]
                 t0 = time.perf_counter()
                 await asyncio.gather(*(_request(client, base, r, t0, out) for r in reqs))
-                return before
-        remote_before = asyncio.run(replay())
+                return before, cpu
+        remote_before, cpu = asyncio.run(replay())
         view = httpx.get(f"{base}/cluster").json()
         pre = [w for w in view["workers"] if w["role"] == "prefill"][0]
         info = httpx.get(pre["address"] + "/internal/info").json()
@@ -105,6 +132,8 @@ def live(reqs, args) -> dict:
     done = [o for o in out if o["ok"]]
     dur = max(o["end"] for o in done) - reqs[0].arrival
     ttfts = sorted(o["ttft"] for o in done)
+    short, long_ = (cpu[1] - cpu[0]) / PROBES, (cpu[2] - cpu[1]) / PROBES
+    token_cpu = max(0.0, (long_ - short) / LONG_PROBE_TOKENS)
     return {"completed": len(done), "output_tok_s": sum(o["output"] for o in done) / dur,
             "ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": ttfts[int(0.9 * len(ttfts))],
             "duration_s": dur, "offloaded": view["counts"]["remote"] - remote_before,
@@ -112,6 +141,7 @@ def live(reqs, args) -> dict:
             "final_threshold": view["policy"]["threshold"],
             "local_probe_ttft_s": statistics.median(p["ttft"] for p in local_probes),
             "remote_probe_ttft_s": statistics.median(p["ttft"] for p in remote_probes),
+            "request_cpu_s": max(0.0, short - 2 * token_cpu), "token_cpu_s": token_cpu,
             "ttft_by_rid": {o["rid"]: o["ttft"] for o in done}}
 
 
@@ -120,20 +150,26 @@ def remote_probe_len(args) -> int:
     return args.threshold + 256
 
 
-def simulate(reqs, profile: dict, args, model, request_latency_s: float = 0.0,
-             link_latency_s: float = 0.0) -> dict:
+def simulate(reqs, profile: dict, args, model, serving: dict | None = None) -> dict:
     """The live topology: a colocated PD instance (the PD worker) and a serial prefill
-    instance (the prefill worker), chunked as the workers' engines chunk."""
+    instance (the prefill worker), chunked as the workers' engines chunk. ``serving``: the
+    serving path's measured costs (latencies, CPU work); with them every instance and the
+    serving work share this machine's cores."""
     prof = InstanceProfile(gpu="H20", gpus=1, measured=profile)
     dep = Deployment(name="live-topology", kind="prfaas", local=prof, local_instances=1,
                      local_prefill=0, colocated=True, remote=prof, remote_instances=1,
                      threshold=args.threshold, adapt=True)
-    eng = profile["engine"]
-    cfg = SimConfig(link_gbps=args.link_gbps, link_latency_s=link_latency_s,
+    eng, sv = profile["engine"], serving or {}
+    cfg = SimConfig(link_gbps=args.link_gbps, link_latency_s=sv.get("remote_extra_s", 0.0),
                     intra_gbps=1000.0, observe_s=0.5, max_num_seqs=args.max_num_seqs,
                     block_size=16, prefill_chunk=eng["max_num_batched_tokens"],
                     prefill_max_seqs=1, snapshot_interval=eng["snapshot_interval"],
-                    request_latency_s=request_latency_s)
+                    # the PD worker's engine: enough blocks for max_num_seqs full sequences
+                    kv_blocks=args.max_num_seqs * -(-(args.max_len + 64) // 16),
+                    request_latency_s=sv.get("request_latency_s", 0.0),
+                    host_cores=os.cpu_count() if serving else 0.0,
+                    request_cpu_s=sv.get("request_cpu_s", 0.0),
+                    token_cpu_s=sv.get("token_cpu_s", 0.0))
     m = Sim(model, dep, cfg).run(reqs)
     return {"completed": m["completed"], "output_tok_s": m["output_tok_s"],
             "ttft_p50_s": m["ttft_p50_s"], "ttft_p90_s": m["ttft_p90_s"],
@@ -143,15 +179,18 @@ def simulate(reqs, profile: dict, args, model, request_latency_s: float = 0.0,
             "final_threshold": m["threshold_final"], "busy": m["busy"]}
 
 
-def path_latencies(meas: dict, profile: dict, args, model) -> dict:
-    """The serving path's fixed costs: each idle probe's measured TTFT minus what the
-    simulator predicts for it without them."""
-    def alone(n):
+def serving_costs(meas: dict, profile: dict, args, model) -> dict:
+    """The serving path's measured costs: CPU work per request and per streamed token, and
+    the fixed latencies left once the simulator prices the idle probes with them."""
+    cpu = {"request_cpu_s": meas["request_cpu_s"], "token_cpu_s": meas["token_cpu_s"]}
+
+    def alone(n, **lat):
         return simulate([Request(rid=0, arrival=0.0, prompt_len=n, output_len=2)], profile,
-                        args, model)["ttft_p50_s"]
+                        args, model, cpu | lat)["ttft_p50_s"]
     request = max(0.0, meas["local_probe_ttft_s"] - alone(PROBE_LEN))
-    remote = max(0.0, meas["remote_probe_ttft_s"] - request - alone(remote_probe_len(args)))
-    return {"request_latency_s": request, "remote_extra_latency_s": remote}
+    remote = max(0.0, meas["remote_probe_ttft_s"]
+                 - alone(remote_probe_len(args), request_latency_s=request))
+    return cpu | {"request_latency_s": request, "remote_extra_s": remote}
 
 
 def main() -> None:
@@ -190,27 +229,28 @@ def main() -> None:
             profile = measure_profile(args.preset, args.threads)
             bare = simulate(reqs, profile, args, model)
             meas = None if args.sim_only else live(reqs, args)
-            lat = path_latencies(meas, profile, args, model) if meas else None
-            pred = simulate(reqs, profile, args, model, lat["request_latency_s"],
-                            lat["remote_extra_latency_s"]) if lat else bare
+            lat = serving_costs(meas, profile, args, model) if meas else None
+            pred = simulate(reqs, profile, args, model, lat) if lat else bare
             print(f"rate {rate} repeat {k}: predicted {pred}\n  without path latencies "
-                  f"{bare}\n  path latencies {lat}\n  measured "
+                  f"{bare}\n  serving costs {lat}\n  measured "
                   f"{ {k: v for k, v in (meas or {}).items() if k != 'ttft_by_rid'} }",
                   flush=True)
             runs.append({"profile": profile, "predicted": pred,
-                         "predicted_without_path_latencies": bare, "path_latencies": lat,
+                         "predicted_without_serving_costs": bare, "serving_costs": lat,
                          "measured": meas})
 
         def med(kind, key, runs=runs):
             return statistics.median(r[kind][key] for r in runs)
         row = {"rate_req_s": rate, "pred_tok_s": med("predicted", "output_tok_s"),
                "pred_ttft_p50_s": med("predicted", "ttft_p50_s"),
-               "pred_ttft_no_path_s": med("predicted_without_path_latencies", "ttft_p50_s")}
+               "pred_ttft_engine_only_s": med("predicted_without_serving_costs", "ttft_p50_s")}
         if not args.sim_only:
             row |= {"meas_tok_s": med("measured", "output_tok_s"),
                     "meas_ttft_p50_s": med("measured", "ttft_p50_s"),
-                    "request_latency_s": med("path_latencies", "request_latency_s"),
-                    "remote_extra_s": med("path_latencies", "remote_extra_latency_s"),
+                    "request_latency_s": med("serving_costs", "request_latency_s"),
+                    "request_cpu_s": med("serving_costs", "request_cpu_s"),
+                    "token_cpu_s": med("serving_costs", "token_cpu_s"),
+                    "remote_extra_s": med("serving_costs", "remote_extra_s"),
                     "offload_pred": med("predicted", "offloaded"),
                     "offload_meas": med("measured", "offloaded")}
             row["tok_s_err"] = row["pred_tok_s"] / row["meas_tok_s"] - 1

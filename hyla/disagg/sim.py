@@ -22,6 +22,10 @@ simulator is checked against it: ``snapshot_interval`` cuts local prefill chunks
 snapshot boundaries (the engine's prefix cache), ``prefill_max_seqs=1`` makes a prefill
 instance serial (a hyla prefill worker), and ``request_latency_s`` delays every request by
 the serving path's fixed cost (HTTP hops, router, tokenizer), measured on the idle system.
+``host_cores`` > 0 puts every instance on one machine's CPU cores
+(:class:`hyla.disagg.sim_cpu.HostCPU`, processor sharing): engine steps, ``request_cpu_s``
+of serving work per request (before it is placed) and ``token_cpu_s`` per streamed token
+(in the background) all share them.
 
 The inter-cluster link is one FIFO pipe of ``link_gbps`` plus ``link_latency_s``; a state
 is sent once its prefill ends (the published system pipelines layers; at these sizes a
@@ -43,6 +47,7 @@ from dataclasses import dataclass
 import simpy
 
 from hyla.disagg.router import LOCAL, REMOTE, PrfaasRouter, RouterConfig
+from hyla.disagg.sim_cpu import HostCPU
 from hyla.disagg.sim_hardware import InstanceProfile, ModelSpec, step_time
 from hyla.disagg.sim_workload import Request
 from hyla.serve.scheduler import Scheduler, SchedulerConfig
@@ -107,6 +112,10 @@ class SimConfig:
     prefill_max_seqs: int = 16      # sequences a prefill instance batches in one step
     snapshot_interval: int = 0      # > 0: cut local prefill chunks as hyla's prefix cache does
     request_latency_s: float = 0.0  # fixed serving-path delay before a request is placed
+    kv_blocks: int | None = None    # KV blocks a decode/PD instance has (None: all that fit)
+    host_cores: float = 0.0         # > 0: all instances share this many CPU cores
+    request_cpu_s: float = 0.0      # serving CPU work per request (with host_cores)
+    token_cpu_s: float = 0.0        # serving CPU work per streamed token (with host_cores)
 
 
 class Instance:
@@ -129,6 +138,8 @@ class Instance:
                                  f"{prof.label()} beside the weights")
             blocks = int(free // (c.block_size * m.kv_bytes_per_token)) \
                 if m.kv_bytes_per_token else 0
+            if c.kv_blocks is not None and m.kv_bytes_per_token:
+                blocks = c.kv_blocks
             snapshots = role == "pd" and c.snapshot_interval > 0 and "G" in m.layers
             cfg = SchedulerConfig(max_num_seqs=c.max_num_seqs,
                                   max_num_batched_tokens=c.prefill_chunk if role == "pd"
@@ -164,13 +175,16 @@ class Instance:
             chunks = [(c.start, c.num_tokens) for c in out.prefills]
             ctx = sum(s.num_tokens for s in out.decodes)
             dt = step_time(self.prof, m, chunks, ctx, len(out.decodes))
-            yield env.timeout(dt)
+            cpu = self.sim.cpu
+            yield cpu.work(dt) if cpu is not None else env.timeout(dt)
             self.busy_s += dt
             self.queued_tokens -= sum(n for _, n in chunks)
             sampled = dict.fromkeys((s.request_id for s in out.decodes), 0)
             for c in out.prefills:
                 if c.samples:
                     sampled[c.seq.request_id] = 0
+            if cpu is not None and self.role != "prefill" and self.sim.cfg.token_cpu_s:
+                cpu.work(len(sampled) * self.sim.cfg.token_cpu_s)    # streaming them out
             if self.role == "pd":
                 # a local request's first token: its first sample, from a prefill chunk or
                 # (when the last prompt token is left over) a decode step; a shipped state
@@ -188,6 +202,7 @@ class Sim:
         self.model, self.dep, self.cfg = model, dep, cfg or SimConfig()
         self.env = simpy.Environment()
         self.link = simpy.Resource(self.env, capacity=1)
+        self.cpu = HostCPU(self.env, self.cfg.host_cores) if self.cfg.host_cores else None
         n_dec = dep.local_instances - dep.local_prefill
         self.local_p = [Instance(self, f"lp{i}", dep.local, "prefill")
                         for i in range(dep.local_prefill)]
@@ -231,6 +246,8 @@ class Sim:
 
     def arrive(self, r: Request):
         yield self.env.timeout(max(0.0, r.arrival - self.env.now) + self.cfg.request_latency_s)
+        if self.cpu is not None and self.cfg.request_cpu_s:
+            yield self.cpu.work(self.cfg.request_cpu_s)
         rid = str(r.rid)
         self.reqs[rid] = r
         cluster, cached = self._place(r)

@@ -160,7 +160,9 @@ class InstanceProfile:
 
     def free_bytes(self, model: ModelSpec) -> float:
         """Memory left for KV and states once the weights are loaded."""
-        total = self.gpus * self.spec.mem_gb * 1e9 * (1 - self.mem_reserve)
+        mem_gb = self.spec.mem_gb if self.measured is None else \
+            float(self.measured.get("mem_gb", self.spec.mem_gb))
+        total = self.gpus * mem_gb * 1e9 * (1 - self.mem_reserve)
         return total - model.weight_bytes
 
     def label(self) -> str:

@@ -99,7 +99,8 @@ class Engine:
         self._text: dict[str, IncrementalText] = {}
         self._generators: dict[str, torch.Generator] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
-                      "decode_steps": 0, "decode_time_s": 0.0, "prefill_time_s": 0.0}
+                      "decode_steps": 0, "decode_time_s": 0.0, "prefill_time_s": 0.0,
+                      "step_time_s": 0.0}
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
@@ -178,6 +179,7 @@ class Engine:
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Schedule, compute and sample once; the new tokens of every request touched."""
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -196,6 +198,7 @@ class Engine:
                 seq.first_token_time = now
             results.append(self._emit(seq, token, lp, id(seq) in finished))
         self.stats["generation_tokens"] += len(seqs)
+        self.stats["step_time_s"] += time.perf_counter() - t0
         return results
 
     def _execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
