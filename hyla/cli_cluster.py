@@ -134,7 +134,9 @@ def cmd_role(args: argparse.Namespace, out: Console) -> int:
                                link_gbps=args.link_gbps or 10.0,
                                adapt=not args.static_threshold,
                                transfer_timeout_s=args.transfer_timeout,
-                               api_key=args.api_key, force=args.force_path)
+                               api_key=args.api_key, force=args.force_path,
+                               # a PD worker keeps max_num_seqs GLA snapshots (engine default)
+                               prefix_capacity=args.max_num_seqs or 16)
         out.print(f"Router for [bold]{cfg.model_name}[/] on http://{args.host}:{args.port}/v1: "
                   f"{len(cfg.prefill_urls)} prefill, {len(cfg.decode_urls)} decode workers")
         uvicorn.run(create_router_app(LiveRouter(cfg, tok)), **run)

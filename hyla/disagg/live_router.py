@@ -1,9 +1,12 @@
 """The router role (``hyla serve --role router``): the cluster's OpenAI-compatible front.
 
-For each request the router tokenizes the prompt and asks the
-:class:`~hyla.disagg.router.PrfaasRouter` policy where its prefill runs:
+For each request the router tokenizes the prompt, looks up how much of it the PD workers'
+prefix caches hold (:class:`~hyla.disagg.prefix_index.PrefixIndex`, the router's own
+estimate), and asks the :class:`~hyla.disagg.router.PrfaasRouter` policy where its prefill
+runs, on the incremental length:
 
-- **local**: the request is proxied to a decode (PD) worker, which prefills and decodes it;
+- **local**: the request is proxied to a decode (PD) worker, the one holding its longest
+  cached prefix if any, which prefills and decodes it;
 - **remote**: a prefill worker prefills it and ships the state, layer by layer, to a decode
   worker that streams the decode back through the router.
 
@@ -31,7 +34,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from hyla.disagg.router import PrfaasRouter, RouterConfig, recommend_pd_split
+from hyla.disagg.prefix_index import PrefixIndex, chunk_chain
+from hyla.disagg.router import LOCAL, PrfaasRouter, RouterConfig, recommend_pd_split
 from hyla.disagg.transfer import EgressMeter
 from hyla.serve.api import (
     param_of,
@@ -93,6 +97,10 @@ class LiveRouterConfig:
     read_timeout_s: float = 120.0
     api_key: str | None = None
     force: str | None = None          # "local" / "remote": bypass the policy (benchmarks)
+    # The PD workers' prefix caches as the router estimates them: prompts are indexed in
+    # chunks of the engine's GLA snapshot interval, as many per worker as it keeps snapshots.
+    prefix_chunk_tokens: int = 256
+    prefix_capacity: int = 16
 
 
 def _out(d: dict, rid: str) -> StepOutput:
@@ -113,8 +121,10 @@ class LiveRouter:
             threshold=cfg.threshold, t_min=min(256, cfg.threshold), link_gbps=cfg.link_gbps,
             adapt=cfg.adapt))
         self.egress = EgressMeter(window_s=5.0)
+        self.prefix = PrefixIndex(cfg.prefix_chunk_tokens, cfg.prefix_capacity)
         self.counts = {"local": 0, "remote": 0, "remote_ok": 0, "fallback_local": 0,
-                       "decode_retries": 0, "failed_mid_stream": 0, "failed": 0}
+                       "decode_retries": 0, "failed_mid_stream": 0, "failed": 0,
+                       "cached_local": 0, "cached_tokens": 0}
         self.fallback_reasons: dict[str, int] = {}
         self.last_errors: list[str] = []
         self.t0 = time.monotonic()
@@ -203,12 +213,15 @@ class LiveRouter:
 
     # -- picking workers ---------------------------------------------------------------
     def _pick(self, pool: list[Worker], exclude=(), cap: int | None = None,
-              need_transfer: bool = False) -> Worker | None:
+              need_transfer: bool = False, prefer: str | None = None) -> Worker | None:
         ok = [w for w in pool if w.healthy and w.url not in exclude
               and (cap is None or w.inflight < cap)
               and (not need_transfer or w.info.get("transfer_address"))]
         if not ok:
             return None
+        for w in ok:
+            if w.url == prefer:         # it holds the prompt's prefix: cache-affine
+                return w
         k = next(self._rr)
         return min(ok, key=lambda w: (w.inflight, (pool.index(w) + k) % len(pool)))
 
@@ -219,8 +232,7 @@ class LiveRouter:
         Raises APIError before the first output when nothing can serve it, and
         :class:`WorkerFailed` (with ``sent`` > 0) when a decode worker dies mid-stream.
         """
-        target = self.cfg.force or self.policy.route(len(ids), None,
-                                                     time.monotonic() - self.t0).target
+        target, chain, cached_on = self.plan(ids)
         if target == "remote":
             # forced remote (a baseline) queues at the prefill pool instead of falling back
             cap = None if self.cfg.force == "remote" else self.cfg.max_remote_inflight
@@ -248,17 +260,20 @@ class LiveRouter:
         tried: set[str] = set()
         errors = []
         while True:
-            w = self._pick(self.decode, exclude=tried)
+            w = self._pick(self.decode, exclude=tried, prefer=cached_on)
             if w is None:
                 break
             tried.add(w.url)
             sent = 0
             try:
                 async for o in self._stream(w, ids, params, rid, prefilled=False):
+                    if not sent:                # prefilled there: its cache holds it now
+                        self.prefix.insert(w.url, chain)
                     sent += 1
                     yield o
                 return
             except WorkerFailed as e:
+                self.prefix.forget(w.url)
                 if sent:
                     raise WorkerFailed(str(e), sent) from None
                 errors.append(str(e))
@@ -267,6 +282,23 @@ class LiveRouter:
         msg = "; ".join(errors) or "no healthy decode worker"
         raise APIError(f"No worker could serve the request: {msg}", status=503,
                        type="server_error", code="no_worker_available")
+
+    def plan(self, ids: list[int]) -> tuple[str, list[int], str | None]:
+        """(target, the prompt's chunk hashes, the PD worker holding its longest cached
+        prefix) for a prompt: the policy decides on the incremental length.
+
+        The remote pool keeps no prefix cache, so only the local side counts one (and a
+        remote prefill recomputes the whole prompt)."""
+        chain = chunk_chain(ids, self.prefix.chunk_tokens)
+        up = [w.url for w in self.decode if w.healthy]
+        cached_on, cached = self.prefix.best(chain, up)
+        if self.cfg.force:
+            return self.cfg.force, chain, cached_on
+        d = self.policy.route(len(ids), {LOCAL: cached}, time.monotonic() - self.t0)
+        if d.target == LOCAL and d.cached_tokens:
+            self.counts["cached_local"] += 1
+            self.counts["cached_tokens"] += d.cached_tokens
+        return d.target, chain, cached_on
 
     def _fallback(self, reason: str) -> None:
         self.counts["fallback_local"] += 1
