@@ -48,6 +48,9 @@ def add_disagg_commands(sub) -> None:
     p.add_argument("--prfaas-prefill", type=int, default=3,
                    help="local prefill instances of the 8 in PrfaaS (default: grid's best)")
     p.add_argument("--link-gbps", type=positive_float, default=100.0)
+    p.add_argument("--h200-mfu", type=positive_float, default=0.45,
+                   help="achieved prefill MFU of the H200 cluster (default 0.45, as the H20s; "
+                        "0.208 reproduces the published naive/homogeneous ratio, see README)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
     p.set_defaults(func=cmd_simulate)
@@ -73,7 +76,10 @@ def run_simulate(args: argparse.Namespace, progress=None) -> dict:
     names = [n.strip() for n in args.deployments.split(",") if n.strip()]
     deps = published_deployments(homo_prefill=args.homo_prefill,
                                  prfaas_prefill=args.prfaas_prefill,
-                                 threshold=args.threshold, adapt=not args.static_threshold)
+                                 threshold=args.threshold, adapt=not args.static_threshold,
+                                 remote_mfu=args.h200_mfu)
+    if args.h200_mfu > 1:
+        raise ValueError(f"--h200-mfu must be in (0, 1], got {args.h200_mfu}")
     bad = [n for n in names if n not in deps]
     if bad or not names:
         raise ValueError(f"--deployments must be a comma list of {sorted(deps)}, got "
@@ -101,7 +107,8 @@ def run_simulate(args: argparse.Namespace, progress=None) -> dict:
                          "synthetic": args.trace is None,
                          **describe(make(args.rate or 1.0))},
             "mode": "fixed rate" if args.rate else "capacity under SLOs",
-            "link_gbps": args.link_gbps, "inputs": PUBLISHED_INPUTS, **res}
+            "link_gbps": args.link_gbps, "h200_mfu": args.h200_mfu, "inputs": PUBLISHED_INPUTS,
+            **res}
 
 
 def results_table(res: dict, title: str) -> Table:

@@ -149,8 +149,15 @@ def test_cli_simulate_json(tmp_path, capsys, trace):
         for key in ("throughput_tok_s", "goodput_req_s", "ttft_p50_s", "ttft_p90_s",
                     "egress_gbps"):
             assert isinstance(m[key], float)
-    assert "prfaas_vs_naive" in res["ratios"]
+    assert "prfaas_vs_naive" in res["ratios"] and res["h200_mfu"] == 0.45
+    slow = tmp_path / "slow.json"
+    assert main(["simulate", "--trace", trace, "--length-scale", "4", "--rate", "1.0",
+                 "--requests", "30", "--deployments", "naive", "--h200-mfu", "0.2",
+                 "--json", str(slow)]) == 0
+    naive = res["deployments"]["naive"]["ttft_p50_s"]
+    assert json.loads(slow.read_text())["deployments"]["naive"]["ttft_p50_s"] > naive
     assert main(["simulate", "--deployments", "nope", "--rate", "1"]) == 2
+    assert main(["simulate", "--h200-mfu", "1.5", "--rate", "1"]) == 2
     assert main(["kv-table"]) == 0
 
 
