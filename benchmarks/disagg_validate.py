@@ -210,6 +210,8 @@ def main() -> None:
     ap.add_argument("--link-gbps", type=float, default=0.05, help="throttled link (50 Mbit/s)")
     ap.add_argument("--threshold", type=int, default=512)
     ap.add_argument("--sim-only", action="store_true", help="skip the live cluster")
+    ap.add_argument("--results-name", default="disagg_validate",
+                    help="benchmarks/results/NAME.json (other load levels keep the default's)")
     args = ap.parse_args()
     from hyla.model.config import preset
 
@@ -262,7 +264,7 @@ def main() -> None:
                 f"link {args.link_gbps} Gbps, threshold {args.threshold}, {args.preset} "
                 f"preset, {args.threads} thread)", rows)
     if not args.sim_only:
-        path = write_results("disagg_validate", rows, settings=vars(args),
+        path = write_results(args.results_name, rows, settings=vars(args),
                              model=model.to_dict(), detail=detail, trace=str(TRACE),
                              wall_s=time.perf_counter() - t_start,
                              note="all live processes share this machine's 2 CPU cores; the "
