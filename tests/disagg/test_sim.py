@@ -166,3 +166,17 @@ def test_workload_maker_is_rate_independent():
     a, b = make(1.0), make(2.0)
     assert [r.prompt_len for r in a] == [r.prompt_len for r in b]
     assert b[-1].arrival < a[-1].arrival
+
+
+def test_calibrate_remote_mfu_bisects_toward_the_target_ratio():
+    from hyla.disagg.sim_setups import calibrate_remote_mfu
+
+    make = workload_maker(num_requests=20)
+    deps = small_deps()
+    res = calibrate_remote_mfu(MODEL, deps, make, target=1.0, iters=3)
+    assert len(res["steps"]) == 3 and res["homogeneous_capacity"] > 0
+    first, second = res["steps"][:2]
+    assert first["remote_mfu"] == pytest.approx((0.02 + 0.45) / 2)
+    # bisection: a ratio above the target lowers the MFU tried next, one below raises it
+    assert (second["remote_mfu"] < first["remote_mfu"]) == (first["ratio"] > 1.0)
+    assert res["remote_mfu"] in [s["remote_mfu"] for s in res["steps"]]
