@@ -1,9 +1,12 @@
-"""``hyla simulate`` (Prefill-as-a-Service simulator) and ``hyla kv-table``.
+"""``hyla simulate`` (Prefill-as-a-Service simulator), ``hyla profile`` (an engine's
+measured step costs, for the simulator) and ``hyla kv-table``.
 
 Example:
     $ hyla simulate --setup published --rate 2 --json out.json
     $ hyla simulate --setup published                    # each deployment at its capacity
     $ hyla simulate --trace ../shared/traces/azure_conv_2023.csv --length-scale 8 --rate 1.5
+    $ hyla profile --preset small --json cpu.json        # this machine's engine
+    $ hyla simulate --profile cpu.json --rate 0.5        # every instance a process like it
     $ hyla kv-table
 """
 
@@ -51,9 +54,20 @@ def add_disagg_commands(sub) -> None:
     p.add_argument("--h200-mfu", type=positive_float, default=0.45,
                    help="achieved prefill MFU of the H200 cluster (default 0.45, as the H20s; "
                         "0.208 reproduces the published naive/homogeneous ratio, see README)")
+    p.add_argument("--profile", default=None, metavar="JSON",
+                   help="a measured profile (hyla profile): every instance, local and remote, "
+                        "is then one engine process like the profiled one, serving its preset")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
     p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("profile", help="measure this machine's engine step costs (prefill "
+                       "fixed cost and speed, decode by width and context) for hyla simulate")
+    p.add_argument("--preset", default="debug", help="model preset (random weights)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
+    p.add_argument("--json", required=True, metavar="OUT")
+    p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("kv-table", help="Gbps of state/KV a prefill instance emits at 32K "
                        "tokens: dense vs 3:1 vs 7:1 hybrids")
@@ -96,6 +110,8 @@ def run_simulate(args: argparse.Namespace, progress=None) -> dict:
                           num_requests=args.requests, seed=args.seed)
     model = published_1t_hybrid()
     deps = {n: deps[n] for n in names}
+    if args.profile is not None:
+        model, deps = _measured(args.profile, deps)
     cfg = SimConfig(link_gbps=args.link_gbps)
     res = compare(model, deps, make, rate=args.rate, cfg=cfg,
                   rate_range=with_rate_range(model, deps), progress=progress)
@@ -108,7 +124,50 @@ def run_simulate(args: argparse.Namespace, progress=None) -> dict:
                          **describe(make(args.rate or 1.0))},
             "mode": "fixed rate" if args.rate else "capacity under SLOs",
             "link_gbps": args.link_gbps, "h200_mfu": args.h200_mfu, "inputs": PUBLISHED_INPUTS,
-            **res}
+            "profile": args.profile, **res}
+
+
+def _measured(path: str, deps: dict) -> tuple:
+    """(model spec of the profile's preset, the deployments with every instance the
+    measured engine)."""
+    import dataclasses
+
+    from hyla.disagg.sim_hardware import load_measured_profile, spec_from_config
+    from hyla.model.config import preset
+
+    prof = load_measured_profile(path)
+    name = prof.measured.get("preset")
+    if name is None:
+        raise ValueError(f"profile {path} does not name its model preset ('preset')")
+    spec = spec_from_config(preset(name), weight_dtype_bytes=4)
+    # hyla's CPU engine keeps fp32 KV; the spec counts bf16
+    spec = dataclasses.replace(spec, kv_bytes_per_token=2 * spec.kv_bytes_per_token)
+    return spec, {n: dataclasses.replace(d, local=prof, remote=prof if d.remote else None)
+                  for n, d in deps.items()}
+
+
+def cmd_profile(args: argparse.Namespace, out: Console) -> int:
+    import torch
+
+    from hyla.disagg.sim_profile import measure_engine_profile
+    from hyla.model import HylaLM
+    from hyla.model.config import preset
+
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = HylaLM(preset(args.preset)).eval()
+    kw = dict(prompt_lens=(16, 64, 256), widths=(1, 4), repeats=2, long_context=256) \
+        if args.quick else {}
+    prof = measure_engine_profile(model, name=f"cpu-{args.threads}thread", **kw)
+    prof["preset"] = args.preset
+    pathlib.Path(args.json).write_text(json.dumps(prof, indent=1) + "\n")
+    out.print(f"prefill: {prof['prefill_overhead_s'] * 1e3:.2f} ms a step + "
+              f"{prof['prefill_tok_s']:,.0f} tok/s; decode step: "
+              + ", ".join(f"{w}: {t * 1e3:.2f} ms" for w, t in prof["decode_step_s"].items())
+              + f"; +{prof['decode_ctx_s'] * 1e9:.0f} ns a context token. wrote {args.json}")
+    return 0
 
 
 def results_table(res: dict, title: str) -> Table:

@@ -34,7 +34,7 @@ def live_like(threshold=10_000, colocated=True):
 
 def cfg(**kw):
     base = dict(link_gbps=1.0, link_latency_s=0.0, max_num_seqs=16, block_size=16,
-                prefill_chunk=1024, prefill_max_seqs=1)
+                prefill_chunk=1024, prefill_max_seqs=1, kv_blocks=4096)
     return SimConfig(**{**base, **kw})
 
 
@@ -125,3 +125,24 @@ def test_measure_engine_profile_on_the_debug_model():
     assert all(t > 0 for t in prof["decode_step_s"].values())
     assert prof["decode_ctx_s"] >= 0 and prof["decode_context"] == 32
     assert prof["engine"]["snapshot_interval"] == 256
+
+
+def test_cli_profile_then_simulate_with_it(tmp_path):
+    import json
+
+    from hyla.cli import main
+
+    prof = tmp_path / "cpu.json"
+    assert main(["profile", "--preset", "debug", "--quick", "--json", str(prof)]) == 0
+    data = json.loads(prof.read_text())
+    assert data["preset"] == "debug" and data["prefill_tok_s"] > 0
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--profile", str(prof), "--rate", "2", "--requests", "20",
+                 "--threshold", "512", "--homo-prefill", "4", "--prfaas-prefill", "2",
+                 "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["profile"] == str(prof) and res["model"]["layers"] == "GGGA"
+    assert all(m["completed"] == 20 for m in res["deployments"].values())
+    del data["preset"]
+    prof.write_text(json.dumps(data))
+    assert main(["simulate", "--profile", str(prof), "--rate", "2"]) == 2
