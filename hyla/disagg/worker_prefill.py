@@ -1,10 +1,11 @@
 """The prefill role (``hyla serve --role prefill``): prefill prompts, ship their states.
 
 A prefill worker takes internal requests ``POST /internal/prefill`` with ``{request_id,
-prompt_ids, params, dest}`` (``dest``: the decode worker's transfer address), runs them one
-at a time on a :class:`~hyla.serve.runner.Runner`, ships each layer's state to ``dest`` as
-soon as that layer is final (:class:`~hyla.disagg.transfer_net.StateSender`, paced to
-``--link-gbps``), samples the first token and answers with it and the transfer's figures.
+prompt_ids, params, dest}`` (``dest``: the decode worker's transfer address), prefills them
+one at a time on a :class:`~hyla.serve.runner.Runner` (the next one while the last state is
+still on the link), ships each layer's state to ``dest`` as soon as that layer is final
+(:class:`~hyla.disagg.transfer_net.StateSender`, paced to ``--link-gbps``), samples the
+first token and answers with it and the transfer's figures once the state is sent.
 ``GET /health`` and ``GET /internal/info`` report its queue, prefill throughput and egress.
 """
 
@@ -76,6 +77,12 @@ class PrefillService:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="hyla-prefill", daemon=True)
         self._thread.start()
+        # Transfers finish in order on the sender's one link; waiting for them here lets
+        # the prefill thread go on to the next prompt while the last state is still shipping.
+        self._shipping: queue.SimpleQueue = queue.SimpleQueue()
+        self._shipper = threading.Thread(target=self._ship_loop, name="hyla-prefill-ship",
+                                         daemon=True)
+        self._shipper.start()
 
     @property
     def tokens_per_s(self) -> float:
@@ -103,11 +110,13 @@ class PrefillService:
     def run_sync(self, rid: str, prompt: list[int], params: SamplingParams, dest: str) -> dict:
         """Prefill in the calling thread (tests, tools)."""
         self._check(prompt)
-        return self._run(rid, prompt, params, dest)
+        return self._finish(*self._prefill(rid, prompt, params, dest))
 
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=10)
+        self._shipping.put(None)
+        self._shipper.join(timeout=10)
         self.sender.close()
 
     def _check(self, prompt: list[int]) -> None:
@@ -126,17 +135,34 @@ class PrefillService:
             rid, prompt, params, dest, loop, fut = job
             t0 = time.monotonic()
             try:
-                result = self._run(rid, prompt, params, dest)
+                shipping = self._prefill(rid, prompt, params, dest)
             except Exception as e:  # noqa: BLE001 - answered to the router
                 self.stats["failed"] += 1
-                result = e
+                shipping = None
+                loop.call_soon_threadsafe(_resolve, fut, e)
             with self._lock:
                 self.queued_tokens -= len(prompt)
             self.stats["busy_s"] += time.monotonic() - t0
+            if shipping is not None:
+                self._shipping.put((shipping, loop, fut))
+
+    def _ship_loop(self) -> None:
+        while True:
+            job = self._shipping.get()
+            if job is None:
+                return
+            shipping, loop, fut = job
+            try:
+                result = self._finish(*shipping)
+            except Exception as e:  # noqa: BLE001 - answered to the router
+                self.stats["failed"] += 1
+                result = e
             loop.call_soon_threadsafe(_resolve, fut, result)
 
     @torch.no_grad()
-    def _run(self, rid, prompt, params, dest) -> dict:
+    def _prefill(self, rid, prompt, params, dest) -> tuple:
+        """Prefill ``prompt``, queueing each layer's state on the link as it is final;
+        returns what :meth:`_finish` needs once the transfer is done."""
         r, n, bs = self.runner, len(prompt), self.block_size
         out = self.sender.start(rid, dest, self.kinds, n)
         table = list(range(-(-n // bs))) if r.attn_layers else []
@@ -168,14 +194,18 @@ class PrefillService:
         prefill_s = time.perf_counter() - t0
         lp = logprob_to_dict(lps[0])
         out.end(tokens[0], lp)
+        self.stats["prompt_tokens"] += n
+        self.stats["prefill_s"] += prefill_s
+        return out, {"request_id": rid, "first_token": tokens[0], "logprob": lp,
+                     "prefill_s": prefill_s}
+
+    def _finish(self, out, result: dict) -> dict:
+        """Wait for a prefilled request's state to be sent; its answer to the router."""
         stats = out.wait(timeout=3600)
         if stats["error"]:
             raise RuntimeError(f"sending the state failed: {stats['error']}")
         self.stats["requests"] += 1
-        self.stats["prompt_tokens"] += n
-        self.stats["prefill_s"] += prefill_s
-        return {"request_id": rid, "first_token": tokens[0], "logprob": lp,
-                "bytes": stats["bytes"], "layers": stats["layers"], "prefill_s": prefill_s,
+        return {**result, "bytes": stats["bytes"], "layers": stats["layers"],
                 "transfer_s": stats["seconds"]}
 
 

@@ -219,3 +219,34 @@ def test_prefill_service_ships_layers_while_computing(model):
     finally:
         pull.close(linger=0)
         svc.close()
+
+
+def test_prefill_goes_on_while_the_last_state_ships(model):
+    """On a slow link the next prompt is prefilled while the previous state is still being
+    sent; both answers come back, in order, once their states are sent."""
+    import asyncio
+
+    svc = PrefillService(model, max_model_len=128, link_gbps=0.0005)   # 62.5 kB/s
+    rx = StateReceiver(svc.fingerprint, svc.kinds)
+    p1, p2 = list(range(3, 60)), list(range(5, 70))
+
+    async def run():
+        params = SamplingParams(temperature=0)
+        f1 = asyncio.ensure_future(svc.submit("a", p1, params, rx.address))
+        f2 = asyncio.ensure_future(svc.submit("b", p2, params, rx.address))
+        deadline = time.monotonic() + 30
+        while svc.stats["prompt_tokens"] < len(p1) + len(p2):
+            assert time.monotonic() < deadline, "second prefill never ran"
+            await asyncio.sleep(0.01)
+        overlapped = not f1.done()          # both prefilled, the first still shipping
+        r1, r2 = await asyncio.wait_for(asyncio.gather(f1, f2), 60)
+        return overlapped, r1, r2, [await rx.wait(r, 30) for r in ("a", "b")]
+    try:
+        overlapped, r1, r2, got = asyncio.run(run())
+        assert overlapped
+        assert r1["transfer_s"] > 0.1 and r2["bytes"] > 0
+        assert [g.state.num_tokens for g in got] == [len(p1), len(p2)]
+        assert svc.stats["requests"] == 2 and svc.stats["failed"] == 0
+    finally:
+        svc.close()
+        rx.close()
