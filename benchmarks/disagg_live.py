@@ -8,8 +8,9 @@ Each mode starts a real ``hyla cluster`` (router + 1 prefill worker + 1 PD worke
 OS process with 1 torch thread; debug preset: random weights, byte tokenizer) and replays
 the Azure conversation trace (``../shared/traces/azure_conv_2023.csv``): prompt lengths
 scaled by ``--length-scale``, outputs by ``--output-scale``, arrivals rescaled to
-``--rate`` req/s. The modes run interleaved, ``--repeats`` times; the table gives each
-metric's median over the repeats.
+``--rate`` req/s, at each ``--link-gbps``. The modes run interleaved, ``--repeats`` times;
+the table gives each metric's median over the repeats, and its ratio to all-local and to
+all-remote at the same link.
 
 On this 2-core VM the two workers, the router and this client share the cores: the
 "remote" pool is the second core, which all-local leaves to the router and the client.
@@ -68,9 +69,9 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def run_mode(name, force, args, reqs):
+def run_mode(name, force, args, reqs, link_gbps):
     spec = ClusterSpec(preset="debug", port=free_port(), prefill_workers=1, decode_workers=1,
-                       link_gbps=args.link_gbps, threshold=args.threshold,
+                       link_gbps=link_gbps, threshold=args.threshold,
                        max_model_len=args.max_len + 64, force_path=force, threads=1)
     cluster = launch(spec)
     try:
@@ -101,7 +102,7 @@ def run_mode(name, force, args, reqs):
 
 MODES = (("prfaas", None), ("all-local", "local"), ("all-remote", "remote"))
 MEDIAN_KEYS = ("completed", "ttft_p50_s", "ttft_p90_s", "e2e_mean_s", "offloaded",
-               "fallbacks", "state_MB_shipped", "egress_gbps_avg", "wall_s")
+               "fallbacks", "state_MB_shipped", "egress_gbps_avg", "final_threshold", "wall_s")
 
 
 def main() -> None:
@@ -113,25 +114,33 @@ def main() -> None:
     ap.add_argument("--length-scale", type=float, default=2.0)
     ap.add_argument("--output-scale", type=float, default=0.1)
     ap.add_argument("--max-len", type=int, default=3072)
-    ap.add_argument("--link-gbps", type=float, default=0.1, help="throttled link (100 Mbit/s)")
+    ap.add_argument("--link-gbps", default="0.04,0.07,0.1",
+                    help="throttled links to compare at, comma list (Gbps; default 40, 70 and "
+                         "100 Mbit/s)")
     ap.add_argument("--threshold", type=int, default=512)
     args = ap.parse_args()
     if args.quick:
         args.requests, args.repeats = 30, 1
     reqs = load_trace(TRACE, length_scale=args.length_scale, output_scale=args.output_scale,
                       rate=args.rate, num_requests=args.requests, max_len=args.max_len)
-    runs = [run_mode(name, force, args, reqs) | {"repeat": k}
-            for k in range(args.repeats) for name, force in MODES]
-    rows = [{"mode": name, "requests": len(reqs),
-             **{key: statistics.median(r[key] for r in runs if r["mode"] == name)
-                for key in MEDIAN_KEYS}} for name, _ in MODES]
-    base = {r["mode"]: r for r in rows}
-    for r in rows:
-        for other in ("all-local", "all-remote"):
-            r[f"ttft_p50_vs_{other}"] = r["ttft_p50_s"] / base[other]["ttft_p50_s"]
+    links = [float(x) for x in args.link_gbps.split(",")]
+    runs = [run_mode(name, force, args, reqs, link) | {"repeat": k, "link_gbps": link}
+            for link in links for k in range(args.repeats) for name, force in MODES]
+    rows = []
+    for link in links:
+        group = [{"link_gbps": link, "mode": name, "requests": len(reqs),
+                  **{key: statistics.median(r[key] for r in runs
+                                            if r["mode"] == name and r["link_gbps"] == link)
+                     for key in MEDIAN_KEYS}} for name, _ in MODES]
+        base = {r["mode"]: r for r in group}
+        for r in group:
+            for key in ("ttft_p50_s", "ttft_p90_s", "e2e_mean_s"):
+                r[f"{key[:-2]}_vs_local"] = r[key] / base["all-local"][key]
+                r[f"{key[:-2]}_vs_remote"] = r[key] / base["all-remote"][key]
+        rows += group
     print_table(f"Live PrfaaS on this machine: {len(reqs)} conversation-trace requests at "
-                f"{args.rate} req/s, prompts x{args.length_scale}, link {args.link_gbps} "
-                f"Gbps (debug preset; medians of {args.repeats})", rows)
+                f"{args.rate} req/s, prompts x{args.length_scale} (debug preset; medians of "
+                f"{args.repeats})", rows)
     path = write_results("disagg_live", rows, settings=vars(args), trace=str(TRACE),
                          runs=runs,
                          note="all workers, the router and the client share this machine's "

@@ -101,6 +101,9 @@ class LiveRouterConfig:
     # chunks of the engine's GLA snapshot interval, as many per worker as it keeps snapshots.
     prefix_chunk_tokens: int = 256
     prefix_capacity: int = 16
+    # queues closer than this count as balanced (the simulator's datacenter default is 1 s;
+    # a small cluster's prefills take tens of milliseconds)
+    queue_margin_s: float = 0.1
 
 
 def _out(d: dict, rid: str) -> StepOutput:
@@ -119,7 +122,7 @@ class LiveRouter:
         self.decode = [Worker(u.rstrip("/"), "decode") for u in cfg.decode_urls]
         self.policy = PrfaasRouter(RouterConfig(
             threshold=cfg.threshold, t_min=min(256, cfg.threshold), link_gbps=cfg.link_gbps,
-            adapt=cfg.adapt))
+            adapt=cfg.adapt, queue_margin_s=cfg.queue_margin_s))
         self.egress = EgressMeter(window_s=5.0)
         self.prefix = PrefixIndex(cfg.prefix_chunk_tokens, cfg.prefix_capacity)
         self.counts = {"local": 0, "remote": 0, "remote_ok": 0, "fallback_local": 0,

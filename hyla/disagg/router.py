@@ -70,6 +70,7 @@ class RouterConfig:
     util_low: float = 0.4            # below: the link has headroom
     max_remote_queue_s: float = 30.0  # remote queue beyond this: fall back to local
     queue_slack: float = 1.5         # remote queue > slack * local queue -> offload less
+    queue_margin_s: float = 1.0      # ... and by more than this (queues this close: balanced)
     step: float = 1.15               # multiplicative change of t per observation
     adapt: bool = True
 
@@ -84,6 +85,8 @@ class RouterConfig:
                              f"{self.util_high}")
         if self.step <= 1:
             raise ValueError(f"step must be > 1, got {self.step}")
+        if self.queue_margin_s < 0:
+            raise ValueError(f"queue_margin_s must be >= 0, got {self.queue_margin_s}")
 
 
 @dataclass
@@ -190,9 +193,10 @@ class PrfaasRouter:
         self.remote_queue_s, self.local_queue_s = float(remote_queue_s), float(local_queue_s)
         c = self.cfg
         if c.adapt and remote_up:
-            busy = link_util > c.util_high or remote_queue_s > c.queue_slack * local_queue_s + 1.0
+            m = c.queue_margin_s
+            busy = link_util > c.util_high or remote_queue_s > c.queue_slack * local_queue_s + m
             idle = (link_util < c.util_high and
-                    local_queue_s > c.queue_slack * remote_queue_s + 1.0)
+                    local_queue_s > c.queue_slack * remote_queue_s + m)
             if busy:
                 self.threshold = min(c.t_max, self.threshold * c.step)
             elif idle:
