@@ -49,6 +49,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from disagg_live import _request  # noqa: E402
 
 from hyla.disagg.cluster import ClusterSpec, free_port, launch  # noqa: E402
+from hyla.disagg.live_router import LIVE_QUEUE_MARGIN_S  # noqa: E402
+from hyla.disagg.router import RouterConfig  # noqa: E402
 from hyla.disagg.sim import Deployment, Sim, SimConfig  # noqa: E402
 from hyla.disagg.sim_hardware import InstanceProfile, spec_from_config  # noqa: E402
 from hyla.disagg.sim_workload import Request, describe, load_trace  # noqa: E402
@@ -167,6 +169,7 @@ def simulate(reqs, profile: dict, args, model, serving: dict | None = None) -> d
                     # the PD worker's engine: enough blocks for max_num_seqs full sequences
                     kv_blocks=args.max_num_seqs * -(-(args.max_len + 64) // 16),
                     request_latency_s=sv.get("request_latency_s", 0.0),
+                    router=RouterConfig(queue_margin_s=LIVE_QUEUE_MARGIN_S),  # as the router's
                     host_cores=os.cpu_count() if serving else 0.0,
                     request_cpu_s=sv.get("request_cpu_s", 0.0),
                     token_cpu_s=sv.get("token_cpu_s", 0.0))

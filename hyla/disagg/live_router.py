@@ -77,6 +77,11 @@ class Worker:
                 "queue_s": i.get("queue_s"), "fingerprint": i.get("fingerprint")}
 
 
+# Queues closer than this count as balanced: the policy's datacenter default is 1 s, but a
+# small cluster's prefills take tens of milliseconds.
+LIVE_QUEUE_MARGIN_S = 0.1
+
+
 @dataclass(kw_only=True)
 class LiveRouterConfig:
     """The router's knobs. ``threshold`` (tokens) is the policy's initial ``t``;
@@ -101,9 +106,7 @@ class LiveRouterConfig:
     # chunks of the engine's GLA snapshot interval, as many per worker as it keeps snapshots.
     prefix_chunk_tokens: int = 256
     prefix_capacity: int = 16
-    # queues closer than this count as balanced (the simulator's datacenter default is 1 s;
-    # a small cluster's prefills take tens of milliseconds)
-    queue_margin_s: float = 0.1
+    queue_margin_s: float = LIVE_QUEUE_MARGIN_S
 
 
 def _out(d: dict, rid: str) -> StepOutput:
