@@ -236,10 +236,9 @@ def main() -> None:
             meas = None if args.sim_only else live(reqs, args)
             lat = serving_costs(meas, profile, args, model) if meas else None
             pred = simulate(reqs, profile, args, model, lat) if lat else bare
-            print(f"rate {rate} repeat {k}: predicted {pred}\n  without path latencies "
-                  f"{bare}\n  serving costs {lat}\n  measured "
-                  f"{ {k: v for k, v in (meas or {}).items() if k != 'ttft_by_rid'} }",
-                  flush=True)
+            shown = {key: v for key, v in (meas or {}).items() if key != "ttft_by_rid"}
+            print(f"rate {rate} repeat {k}: predicted {pred}\n  engine only {bare}\n"
+                  f"  serving costs {lat}\n  measured {shown}", flush=True)
             runs.append({"profile": profile, "predicted": pred,
                          "predicted_without_serving_costs": bare, "serving_costs": lat,
                          "measured": meas})
