@@ -148,7 +148,8 @@ class AsyncEngine:
                 now = time.perf_counter()
                 self.metrics.observe(outputs, self._arrivals, now)
                 for o in outputs:
-                    self._deliver(o.request_id, o)
+                    self._deliver(o.request_id, o if o.error is None else
+                                  RuntimeError(f"request {o.request_id} failed: {o.error}"))
                     if o.finished:
                         self._forget(o.request_id)
         except BaseException as e:  # noqa: BLE001 - surfaced to every waiting client

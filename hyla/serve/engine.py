@@ -53,6 +53,7 @@ class StepOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    error: str | None = None        # this request failed (and was aborted); the others go on
 
 
 class Engine:
@@ -196,7 +197,10 @@ class Engine:
         for seq, token, lp in zip(seqs, tokens, logps, strict=True):
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            results.append(self._emit(seq, token, lp, id(seq) in finished))
+            try:
+                results.append(self._emit(seq, token, lp, id(seq) in finished))
+            except Exception as e:  # noqa: BLE001 - one request's text failed, not the batch
+                results.append(self._fail(seq, token, e))
         self.stats["generation_tokens"] += len(seqs)
         self.stats["step_time_s"] += time.perf_counter() - t0
         return results
@@ -248,6 +252,15 @@ class Engine:
         return StepOutput(seq.request_id, [token], delta, finished, seq.finish_reason,
                           [lp] if lp is not None else [], seq.num_prompt_tokens,
                           len(seq.output_ids))
+
+    def _fail(self, seq: Sequence, token: int, err: Exception) -> StepOutput:
+        """End a request whose output could not be produced (e.g. its tokenizer could not
+        decode a sampled id): free what it holds and report the error for it alone."""
+        self.scheduler.abort(seq.request_id)
+        self._forget(seq.request_id)
+        return StepOutput(seq.request_id, [token], "", True, "error", [],
+                          seq.num_prompt_tokens, len(seq.output_ids),
+                          error=f"{type(err).__name__}: {err}")
 
     def _forget(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)

@@ -159,3 +159,50 @@ def test_add_prefilled_continues_like_local_prefill():
     assert seq.output_ids == want
     with pytest.raises(ValueError, match="holds"):
         eng.add_prefilled(prompt[:-1], first, shipped, GREEDY)
+
+
+def _undecodable(*args, **kwargs):
+    """What a tokenizer does with a sampled id it cannot turn into text."""
+    raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+
+def test_one_request_failing_does_not_stop_the_others():
+    import asyncio
+
+    from hyla.serve.async_engine import AsyncEngine
+
+    eng = Engine(_model(), ByteTokenizer(), EngineConfig(max_model_len=128))
+    bad = eng.add_request([5, 6, 7], GREEDY, "bad")
+    good = eng.add_request([8, 9, 10], GREEDY, "good")
+    eng._text["bad"].add = _undecodable          # its first token's text fails
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    errs = [o for o in outs if o.error]
+    assert [o.request_id for o in errs] == ["bad"] and "invalid start byte" in errs[0].error
+    assert errs[0].finished and errs[0].finish_reason == "error"
+    assert bad.is_finished and good.is_finished and len(good.output_ids) == 12
+    assert eng.scheduler.pool.num_free == eng.config.max_num_seqs      # nothing leaked
+
+    ae = AsyncEngine(Engine(_model(), ByteTokenizer(), EngineConfig(max_model_len=128)))
+    real_add = ae.engine.add_request
+
+    def add(prompt, params, rid=None, arrival=None):
+        seq = real_add(prompt, params, rid, arrival)
+        if rid == "bad":
+            ae.engine._text[rid].add = _undecodable
+        return seq
+    ae.engine.add_request = add
+
+    async def run(rid):
+        return [o async for o in ae.generate([5, 6, 7], GREEDY, rid)]
+
+    async def both():
+        return await asyncio.gather(run("bad"), run("good"), return_exceptions=True)
+    try:
+        bad_res, good_res = asyncio.run(both())
+        assert isinstance(bad_res, RuntimeError) and "request bad failed" in str(bad_res)
+        assert sum(len(o.token_ids) for o in good_res) == 12 and good_res[-1].finished
+        assert ae.error is None                        # the engine thread is still up
+    finally:
+        ae.shutdown()
