@@ -132,6 +132,8 @@ def _measured(path: str, deps: dict) -> tuple:
     measured engine)."""
     import dataclasses
 
+    import torch
+
     from hyla.disagg.sim_hardware import load_measured_profile, spec_from_config
     from hyla.model.config import preset
 
@@ -139,9 +141,7 @@ def _measured(path: str, deps: dict) -> tuple:
     name = prof.measured.get("preset")
     if name is None:
         raise ValueError(f"profile {path} does not name its model preset ('preset')")
-    spec = spec_from_config(preset(name), weight_dtype_bytes=4)
-    # hyla's CPU engine keeps fp32 KV; the spec counts bf16
-    spec = dataclasses.replace(spec, kv_bytes_per_token=2 * spec.kv_bytes_per_token)
+    spec = spec_from_config(preset(name), weight_dtype_bytes=4, kv_dtype=torch.float32)
     return spec, {n: dataclasses.replace(d, local=prof, remote=prof if d.remote else None)
                   for n, d in deps.items()}
 

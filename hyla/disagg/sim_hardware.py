@@ -111,17 +111,21 @@ def _mix(layers: str) -> str:
     return "dense" if g == 0 else ("linear only" if a == 0 else f"{g // a}:1 hybrid")
 
 
-def spec_from_config(cfg, name: str | None = None, weight_dtype_bytes: int = 2) -> ModelSpec:
+def spec_from_config(cfg, name: str | None = None, weight_dtype_bytes: int = 2,
+                     kv_dtype=None) -> ModelSpec:
     """A :class:`ModelSpec` from a :class:`hyla.model.HylaConfig` (imports torch, lazily).
 
     State and KV bytes come from :mod:`hyla.eval.memory` (the same layout math that is
     checked against a real ``SequenceState``); parameters from a meta-device model.
+    ``kv_dtype``: the attention KV's torch dtype (default bf16; hyla's CPU engine keeps fp32).
     """
+    import torch
+
     from hyla.eval import memory
 
     n_attn = cfg.layers.count("A")
     params = memory.num_parameters(cfg)
-    kv1 = memory.attention_layer_kv_bytes(cfg, 1)
+    kv1 = memory.attention_layer_kv_bytes(cfg, 1, kv_dtype or torch.bfloat16)
     return ModelSpec(
         name=name or f"hyla {cfg.layers[:8]}{'...' if cfg.n_layers > 8 else ''}",
         total_params=params, active_params=params, weight_bytes=params * weight_dtype_bytes,

@@ -23,14 +23,10 @@ import time
 
 def _fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
     """(intercept, slope) of the least-squares line through (x, y) points."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    if sxx == 0:
+    if len({x for x, _ in points}) < 2:
         raise ValueError("need prefill steps of at least two different token counts")
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
-    return my - slope * mx, slope
+    slope, intercept = statistics.linear_regression(*zip(*points, strict=True))
+    return intercept, slope
 
 
 def measure_engine_profile(model, *, max_num_seqs: int = 16,
