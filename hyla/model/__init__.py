@@ -1,8 +1,12 @@
-"""Model: config and presets, the HylaLM module, per-sequence state, generation."""
+"""Model: config and presets, the mixers, the HylaLM module, the batch context, per-sequence
+state, generation."""
 
 from hyla.model.config import PRESETS, HylaConfig, preset
+from hyla.model.context import Context
 from hyla.model.generate import generate
+from hyla.model.mixers import MIXERS, Mixer, StateSpec, TensorSpec, register_mixer
 from hyla.model.model import HylaLM
 from hyla.model.state import SequenceState
 
-__all__ = ["PRESETS", "HylaConfig", "HylaLM", "SequenceState", "generate", "preset"]
+__all__ = ["MIXERS", "PRESETS", "Context", "HylaConfig", "HylaLM", "Mixer", "SequenceState",
+           "StateSpec", "TensorSpec", "generate", "preset", "register_mixer"]

@@ -6,17 +6,17 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hyla.model.mixers import MIXERS
 from hyla.ops.gla.chunk import CHUNK_SIZES
-
-LAYER_KINDS = {"G": "gla", "A": "attention"}
 
 
 @dataclass(kw_only=True)
 class HylaConfig:
     """Shape of a hybrid GLA / softmax-attention language model.
 
-    ``layers`` is the layer mix, one letter a layer: ``G`` gated linear attention, ``A`` softmax
-    attention (rotary, grouped-query). GLA layers use no positional encoding.
+    ``layers`` is the layer mix, one letter a layer, each a registered mixer
+    (:data:`hyla.model.mixers.MIXERS`): ``G`` gated linear attention, ``A`` softmax attention
+    (rotary, grouped-query). GLA layers use no positional encoding.
 
     Example:
         >>> cfg = HylaConfig(vocab_size=256, d_model=64, layers="GGGA", n_heads=4, ffn_dim=128)
@@ -46,12 +46,13 @@ class HylaConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not isinstance(self.layers, str) or not self.layers:
-            raise ValueError(f"layers must be a non-empty string of {sorted(LAYER_KINDS)}, "
+            raise ValueError(f"layers must be a non-empty string of {sorted(MIXERS)}, "
                              f"got {self.layers!r}")
-        bad = sorted({c for c in self.layers if c not in LAYER_KINDS})
+        bad = sorted({c for c in self.layers if c not in MIXERS})
         if bad:
-            raise ValueError(f"layers has unknown letter(s) {bad}: expected only 'G' (GLA) or "
-                             f"'A' (attention), got {self.layers!r}")
+            known = ", ".join(f"'{k}' ({m.kind})" for k, m in sorted(MIXERS.items()))
+            raise ValueError(f"layers has unknown letter(s) {bad}: expected only {known}, "
+                             f"got {self.layers!r}")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:

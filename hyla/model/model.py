@@ -1,4 +1,4 @@
-"""HylaLM: the hybrid GLA / softmax-attention language model and its three entry points."""
+"""HylaLM: the hybrid language model, with its one block loop."""
 
 from __future__ import annotations
 
@@ -6,38 +6,34 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hyla.model.config import LAYER_KINDS, HylaConfig
-from hyla.model.layers import AttentionLayer, GLALayer, RMSNorm, SwiGLU
+from hyla.model.config import HylaConfig
+from hyla.model.context import Context
+from hyla.model.layers import RMSNorm, SwiGLU
+from hyla.model.mixers import MIXERS, layer_specs
 from hyla.model.state import SequenceState
-from hyla.ops.attention import check_cu_seqlens
 
 
 class Block(nn.Module):
-    """Pre-norm block: x + mixer(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + mixer(norm(x), ctx), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: HylaConfig, kind: str):
+    def __init__(self, cfg: HylaConfig, letter: str, layer_idx: int):
         super().__init__()
-        self.kind = kind
         self.mixer_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mixer = GLALayer(cfg) if kind == "gla" else AttentionLayer(cfg)
+        self.mixer = MIXERS[letter](cfg, layer_idx)
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor,
-                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """Training form: x [B, T, d_model] -> [B, T, d_model]."""
-        h = self.mixer_norm(x)
-        if self.kind == "gla":
-            x = x + self.mixer(h, cu_seqlens=cu_seqlens)
-        else:
-            x = x + self.mixer(h, positions, cu_seqlens=cu_seqlens)
+    def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        x = x + self.mixer(self.mixer_norm(x), ctx)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class HylaLM(nn.Module):
     """Hybrid linear-attention language model.
 
-    - ``forward(input_ids [B, T], cu_seqlens=None) -> logits [B, T, vocab]``: training;
+    - ``forward(input_ids [B, T], ctx=None) -> logits [B, T, vocab]``: the one block loop;
+      the :class:`~hyla.model.context.Context` says whether the batch is training (the
+      default, ``cu_seqlens`` for packed documents), prefill or decode;
     - ``prefill(input_ids [T], state) -> logits [T, vocab]``: fills/extends a SequenceState;
     - ``decode(token_ids [B], states) -> logits [B, vocab]``: one token for B sequences.
 
@@ -57,7 +53,7 @@ class HylaLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, LAYER_KINDS[c]) for c in cfg.layers)
+        self.blocks = nn.ModuleList(Block(cfg, c, i) for i, c in enumerate(cfg.layers))
         self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -81,40 +77,41 @@ class HylaLM(nn.Module):
         """Number of parameters, tied embeddings counted once."""
         return sum(p.numel() for p in self.parameters())
 
+    @property
+    def state_specs(self):
+        """One :class:`~hyla.model.mixers.StateSpec` per layer."""
+        return layer_specs(self.cfg)
+
     def new_state(self) -> SequenceState:
         """An empty SequenceState on this model's device, caches in its dtype."""
         p = self.embed.weight
         return SequenceState.empty(self.cfg, device=p.device, dtype=p.dtype)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x))
+    def forward(self, input_ids: torch.Tensor, ctx: Context | None = None, *,
+                cu_seqlens: torch.Tensor | None = None, hidden: bool = False) -> torch.Tensor:
+        """input_ids [B, T] long -> logits [B, T, vocab] (``ctx.logits_at`` picks rows).
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """Training forward: input_ids [B, T] long -> logits [B, T, vocab].
-
-        With ``cu_seqlens`` (int [N + 1], B == 1) the batch row is N packed documents: GLA
-        state resets, attention is masked and rotary positions restart at each boundary.
+        Without ``ctx`` the batch is training data; with ``cu_seqlens`` (int [N + 1],
+        B == 1) the row is N packed documents: linear states reset, attention is masked and
+        rotary positions restart at each boundary. ``hidden``: return the final normed
+        hidden states [B, T, d_model] instead of logits (what ``lm_head`` maps to logits).
         """
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, T], got {tuple(input_ids.shape)}")
-        B, T = input_ids.shape
-        positions = torch.arange(T, device=input_ids.device)
-        if cu_seqlens is not None:
-            offsets = check_cu_seqlens(cu_seqlens, B, T)
-            starts = torch.tensor(offsets[:-1], device=input_ids.device)
-            lengths = torch.tensor([e - s for s, e in zip(offsets[:-1], offsets[1:],
-                                                              strict=True)],
-                                   device=input_ids.device)
-            positions = positions - starts.repeat_interleave(lengths)
-            cu_seqlens = cu_seqlens.to(input_ids.device)
+        if ctx is None:
+            ctx = Context.train(input_ids, cu_seqlens)
+        elif cu_seqlens is not None:
+            raise ValueError("pass cu_seqlens inside the Context, not beside it")
         x = self.embed(input_ids)
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, positions, cu_seqlens, use_reentrant=False)
+                x = checkpoint(block, x, ctx, use_reentrant=False)
             else:
-                x = block(x, positions, cu_seqlens)
-        return self._logits(x)
+                x = block(x, ctx)
+            if ctx.on_layer is not None:
+                ctx.on_layer(i)
+        if ctx.logits_at is not None:
+            x = x[:, ctx.logits_at]
+        x = self.norm(x)
+        return x if hidden else self.lm_head(x)
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
@@ -123,8 +120,7 @@ class HylaLM(nn.Module):
         Args:
             input_ids: [T] (or [1, T]) long, T >= 1.
             state: a SequenceState for this model; it may already hold tokens, in which case
-                the prompt continues after them (GLA from the stored matrix, attention over
-                the cached keys, rotary positions from ``state.num_tokens``).
+                the prompt continues after them.
         Returns:
             logits [T, vocab].
         """
@@ -133,20 +129,14 @@ class HylaLM(nn.Module):
         if input_ids.dim() != 1 or input_ids.numel() == 0:
             raise ValueError(f"input_ids must be [T] or [1, T] with T >= 1, "
                              f"got {tuple(input_ids.shape)}")
-        self._check_state(state, "state")
-        x = self.embed(input_ids[None])
-        for i, block in enumerate(self.blocks):
-            h = block.mixer_norm(x)
-            if block.kind == "gla":
-                y, new = block.mixer.prefill(h, state.tensors[i][0])
-                state.tensors[i][0].copy_(new)
-            else:
-                y, keys, values = block.mixer.prefill(h, *state.tensors[i])
-                state.tensors[i] = (keys, values)
-            x = x + y
-            x = x + block.mlp(block.mlp_norm(x))
-        state.num_tokens += input_ids.numel()
-        return self._logits(x)[0]
+        self.check_state(state, "state")
+        T, S = input_ids.numel(), state.num_tokens
+        buffers = state.as_buffers([state], self.state_specs, extra_rows=T)
+        ctx = Context.prefill([S], [T], [0], [[0]], buffers, block_size=S + T,
+                              device=input_ids.device, last_logits=False)
+        logits = self(input_ids[None], ctx)[0]
+        state.take_buffers([state], buffers, self.state_specs, [S + T])
+        return logits
 
     @torch.no_grad()
     def decode(self, token_ids: torch.Tensor, states: list[SequenceState]) -> torch.Tensor:
@@ -166,29 +156,24 @@ class HylaLM(nn.Module):
         if len({id(s) for s in states}) != len(states):
             raise ValueError("states must be distinct SequenceState objects")
         for b, s in enumerate(states):
-            self._check_state(s, f"states[{b}]")
-        x = self.embed(token_ids[:, None])
-        for i, block in enumerate(self.blocks):
-            h = block.mixer_norm(x)
-            if block.kind == "gla":
-                batch = torch.stack([s.tensors[i][0] for s in states])
-                y, batch = block.mixer.decode(h, batch)
-                for s, new in zip(states, batch, strict=True):
-                    s.tensors[i][0].copy_(new)
-            else:
-                y, keys, values = block.mixer.decode(h, [s.tensors[i][0] for s in states],
-                                                     [s.tensors[i][1] for s in states])
-                for s, k, v in zip(states, keys, values, strict=True):
-                    s.tensors[i] = (k, v)
-            x = x + y
-            x = x + block.mlp(block.mlp_norm(x))
-        for s in states:
-            s.num_tokens += 1
-        return self._logits(x)[:, 0]
+            self.check_state(s, f"states[{b}]")
+        B, dev = len(states), token_ids.device
+        lens = [s.num_tokens for s in states]
+        width = max(lens) + 1     # one "block" per sequence, long enough for all of them
+        buffers = SequenceState.as_buffers(states, self.state_specs, extra_rows=width - 1,
+                                           block_rows=width)
+        ctx = Context.decode(torch.arange(B, device=dev), torch.tensor(lens, device=dev),
+                             torch.arange(B, device=dev)[:, None], buffers, block_size=width,
+                             slot_span=slice(0, B))
+        logits = self(token_ids[:, None], ctx)[:, 0]
+        SequenceState.take_buffers(states, buffers, self.state_specs, [n + 1 for n in lens])
+        return logits
 
-    def _check_state(self, state: SequenceState, name: str) -> None:
-        kinds = [LAYER_KINDS[c] for c in self.cfg.layers]
-        if not isinstance(state, SequenceState) or state.kinds != kinds:
-            got = state.kinds if isinstance(state, SequenceState) else type(state).__name__
-            raise ValueError(f"{name} must be a SequenceState with layer kinds {kinds} "
-                             f"(use model.new_state()), got {got}")
+    def check_state(self, state: SequenceState, name: str = "state") -> None:
+        """ValueError naming ``name`` unless ``state`` fits this model's layers."""
+        specs = self.state_specs
+        problem = state.mismatch(specs) if isinstance(state, SequenceState) \
+            else f"got {type(state).__name__}"
+        if problem:
+            raise ValueError(f"{name} must be a SequenceState with layer kinds "
+                             f"{[s.kind for s in specs]} (use model.new_state()): {problem}")

@@ -1,7 +1,8 @@
 """Per-sequence inference state, its size, and a flat byte format for shipping it.
 
-A GLA layer keeps one [H, K, V] float32 matrix whatever the context length; an attention
-layer keeps its keys and values [num_tokens, H_kv, D] in the model dtype.
+Each layer keeps what its mixer's :class:`~hyla.model.mixers.StateSpec` declares: fixed-size
+tensors (a GLA layer's [H, K, V] float32 matrix) and tensors that grow a row a token (an
+attention layer's keys and values [num_tokens, H_kv, D] in the model dtype).
 
 Flat format (all integers little-endian)::
 
@@ -22,7 +23,7 @@ import zlib
 
 import torch
 
-from hyla.model.config import LAYER_KINDS, HylaConfig
+from hyla.model.mixers import StateSpec, layer_specs
 
 MAGIC = b"HYLASTAT"
 VERSION = 1
@@ -33,10 +34,12 @@ _DTYPES = {str(d).removeprefix("torch."): d
 
 
 class SequenceState:
-    """Inference state of one sequence: per layer, a GLA matrix or attention keys/values.
+    """Inference state of one sequence: per layer, the tensors its mixer's StateSpec names.
 
-    ``tensors[i]`` is ``(S,)`` with S [H, K, V] float32 for a GLA layer, or ``(keys, values)``,
-    each [num_tokens, H_kv, D], for an attention layer. The model updates it in place.
+    ``kinds[i]`` is layer i's mixer kind and ``tensors[i]`` its tensors in spec order (fixed
+    entries, then growing ones): ``(S,)`` with S [H, K, V] float32 for a GLA layer,
+    ``(keys, values)``, each [num_tokens, H_kv, D], for an attention layer. The model updates
+    it in place.
 
     Example:
         >>> from hyla.model.config import preset
@@ -53,33 +56,85 @@ class SequenceState:
             raise ValueError(f"tensors must have one entry per layer ({len(kinds)}), "
                              f"got {len(tensors)}")
         for i, (kind, ts) in enumerate(zip(kinds, tensors, strict=True)):
-            want = {"gla": 1, "attention": 2}.get(kind)
-            if want is None or len(ts) != want:
-                raise ValueError(f"layer {i}: kind must be 'gla' (1 tensor) or 'attention' "
-                                 f"(keys, values), got {kind!r} with {len(ts)} tensor(s)")
-            if kind == "attention" and any(t.shape[0] != num_tokens for t in ts):
-                raise ValueError(f"layer {i}: keys/values must have num_tokens={num_tokens} "
-                                 f"rows, got {[tuple(t.shape) for t in ts]}")
+            if not isinstance(kind, str) or not all(isinstance(t, torch.Tensor) for t in ts):
+                raise ValueError(f"layer {i}: expected a kind name and a tuple of tensors, "
+                                 f"got {kind!r} with {[type(t).__name__ for t in ts]}")
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         self.kinds = list(kinds)
         self.tensors = [tuple(ts) for ts in tensors]
         self.num_tokens = int(num_tokens)
 
     @classmethod
-    def empty(cls, cfg: HylaConfig, device=None, dtype: torch.dtype = torch.float32
-              ) -> SequenceState:
-        """A state holding no tokens: zero GLA matrices, empty caches of ``dtype``."""
-        kinds, tensors = [], []
-        for letter in cfg.layers:
-            kind = LAYER_KINDS[letter]
-            kinds.append(kind)
-            if kind == "gla":
-                shape = (cfg.n_heads, cfg.head_k_dim, cfg.head_v_dim)
-                tensors.append((torch.zeros(shape, device=device, dtype=torch.float32),))
-            else:
-                shape = (0, cfg.n_kv_heads, cfg.head_dim)
-                tensors.append((torch.zeros(shape, device=device, dtype=dtype),
-                                torch.zeros(shape, device=device, dtype=dtype)))
-        return cls(kinds, tensors, 0)
+    def empty(cls, cfg, device=None, dtype: torch.dtype = torch.float32) -> SequenceState:
+        """A state holding no tokens: zero fixed tensors, empty growing ones; ``dtype`` is
+        the model's (entries whose spec names no dtype take it)."""
+        specs = layer_specs(cfg)
+        tensors = [tuple(torch.zeros(e.shape, device=device, dtype=e.resolve(dtype))
+                         for e in spec.fixed)
+                   + tuple(torch.zeros((0, *e.shape), device=device, dtype=e.resolve(dtype))
+                           for e in spec.per_token)
+                   for spec in specs]
+        return cls([s.kind for s in specs], tensors, 0)
+
+    def mismatch(self, specs: list[StateSpec]) -> str:
+        """What keeps this state from fitting layers with ``specs`` ('' when it fits)."""
+        if self.kinds != [s.kind for s in specs]:
+            return f"got layer kinds {self.kinds}"
+        for i, (spec, ts) in enumerate(zip(specs, self.tensors, strict=True)):
+            if len(ts) != len(spec.entries):
+                return f"layer {i} has {len(ts)} tensors, its spec {list(spec.names)}"
+            want = [e.shape for e in spec.fixed] + [(self.num_tokens, *e.shape)
+                                                    for e in spec.per_token]
+            for e, t, shape in zip(spec.entries, ts, want, strict=True):
+                if tuple(t.shape) != shape or (e.dtype is not None and t.dtype != e.dtype):
+                    return (f"layer {i} {e.name!r} is {t.dtype} {tuple(t.shape)}, expected "
+                            f"{e.dtype or 'model dtype'} {shape}")
+        return ""
+
+    @staticmethod
+    def as_buffers(states: list[SequenceState], specs: list[StateSpec], *, extra_rows: int,
+                   block_rows: int | None = None) -> list[dict[str, torch.Tensor]]:
+        """The states as a batch's buffers (for a :class:`~hyla.model.context.Context`):
+        fixed entries ``[B, *shape]`` (a view of the state's own tensor when B == 1, so it
+        is updated in place), growing entries one block a sequence ``[B, rows, *shape]``
+        with room for ``extra_rows`` more rows. Read them back with :meth:`take_buffers`."""
+        rows = block_rows or max(s.num_tokens for s in states) + extra_rows
+        out = []
+        for i, spec in enumerate(specs):
+            layer = {}
+            nf = len(spec.fixed)
+            for k, e in enumerate(spec.fixed):
+                ts = [s.tensors[i][k] for s in states]
+                layer[e.name] = ts[0][None] if len(ts) == 1 else torch.stack(ts)
+            for k, e in enumerate(spec.per_token):
+                first = states[0].tensors[i][nf + k]
+                buf = first.new_zeros((len(states), rows, *e.shape))
+                for b, s in enumerate(states):
+                    buf[b, :s.num_tokens] = s.tensors[i][nf + k]
+                layer[e.name] = buf
+            out.append(layer)
+        return out
+
+    @staticmethod
+    def take_buffers(states: list[SequenceState], buffers: list[dict[str, torch.Tensor]],
+                     specs: list[StateSpec], num_tokens: list[int]) -> None:
+        """Write :meth:`as_buffers`' buffers, after a forward, back into the states."""
+        for b, s in enumerate(states):
+            tensors = []
+            for spec, layer, old in zip(specs, buffers, s.tensors, strict=True):
+                ts = []
+                for e, t in zip(spec.fixed, old, strict=False):
+                    new = layer[e.name][b]
+                    if new.data_ptr() != t.data_ptr():
+                        t.copy_(new)
+                    ts.append(t)
+                for e in spec.per_token:
+                    rows = layer[e.name][b, :num_tokens[b]]
+                    ts.append(rows if len(states) == 1 else rows.clone())
+                tensors.append(tuple(ts))
+            s.tensors = tensors
+            s.num_tokens = num_tokens[b]
 
     @property
     def device(self) -> torch.device:
@@ -91,8 +146,8 @@ class SequenceState:
         return sum(t.numel() * t.element_size() for ts in self.tensors for t in ts)
 
     def bytes_by_kind(self) -> dict[str, int]:
-        """Payload bytes split by layer kind: {"gla": ..., "attention": ...}."""
-        out = {"gla": 0, "attention": 0}
+        """Payload bytes split by the layer kinds present: {"gla": ..., "attention": ...}."""
+        out = dict.fromkeys(self.kinds, 0)
         for kind, ts in zip(self.kinds, self.tensors, strict=True):
             out[kind] += sum(t.numel() * t.element_size() for t in ts)
         return out
@@ -106,10 +161,8 @@ class SequenceState:
                              self.num_tokens)
 
     def __repr__(self) -> str:
-        by = self.bytes_by_kind()
-        return (f"SequenceState(layers={''.join(k[0].upper() for k in self.kinds)}, "
-                f"num_tokens={self.num_tokens}, gla_bytes={by['gla']}, "
-                f"attention_bytes={by['attention']})")
+        return (f"SequenceState(num_tokens={self.num_tokens}, "
+                f"bytes_by_kind={self.bytes_by_kind()})")
 
     def flatten(self) -> torch.Tensor:
         """One contiguous uint8 buffer (header + payload) on the state's device.

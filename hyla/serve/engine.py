@@ -77,8 +77,10 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = c = config or EngineConfig()
         cfg = model.cfg
-        has_attn = "A" in cfg.layers
-        has_gla = "G" in cfg.layers
+        # From the mixers' state specs: growing entries (attention keys/values) live in
+        # paged KV blocks, fixed ones (GLA matrices) in slots that prefix-cache snapshots copy.
+        has_attn = any(spec.per_token for spec in model.state_specs)
+        has_gla = any(spec.fixed for spec in model.state_specs)
         blocks = c.num_kv_blocks
         if blocks is None:
             blocks = c.max_num_seqs * -(-c.max_model_len // c.block_size) if has_attn else 0
@@ -138,7 +140,7 @@ class Engine:
         if state.num_tokens != len(prompt_ids):
             raise ValueError(f"state holds {state.num_tokens} tokens, the prompt "
                              f"{len(prompt_ids)}")
-        self.runner.model._check_state(state, "state")
+        self.runner.model.check_state(state, "state")
         seq = self.add_request(prompt_ids, params, request_id, arrival_time)
         seq.output_ids.append(first_token)
         seq.num_computed_tokens = len(prompt_ids)

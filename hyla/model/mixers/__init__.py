@@ -1,0 +1,20 @@
+"""The layer kinds of a hybrid model, one module each, behind the :class:`Mixer` protocol.
+
+``G``: gated linear attention (:mod:`.gla`); ``A``: softmax attention (:mod:`.attention`).
+A new kind is one module that subclasses :class:`Mixer` and registers its letter.
+"""
+
+from hyla.model.mixers.base import (
+    MIXERS,
+    Mixer,
+    StateSpec,
+    TensorSpec,
+    layer_specs,
+    mixer_of_kind,
+    register_mixer,
+)
+from hyla.model.mixers.gla import GLAMixer
+from hyla.model.mixers.attention import AttentionMixer  # noqa: I001  (G before A, as in docs)
+
+__all__ = ["MIXERS", "AttentionMixer", "GLAMixer", "Mixer", "StateSpec", "TensorSpec",
+           "layer_specs", "mixer_of_kind", "register_mixer"]

@@ -1,0 +1,72 @@
+"""``G``: gated linear attention (Yang et al. 2024), as flash-linear-attention's layer.
+
+State per sequence: one [n_heads, head_k_dim, head_v_dim] float32 matrix, whatever the
+context length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyla.model.layers import RMSNorm
+from hyla.model.mixers.base import Mixer, StateSpec, TensorSpec, register_mixer
+from hyla.ops.gla import chunk_gla, gla_decode_step
+
+
+@register_mixer("G")
+class GLAMixer(Mixer):
+    """q, k: d_model -> key_dim; v: d_model -> value_dim; log forget gate
+    ``gk = logsigmoid(W2 W1 x + b) / gate_logit_normalizer`` through a rank-16 bottleneck;
+    output ``o_proj(rmsnorm_per_head(o) * swish(g_proj(x)))``. No positional encoding.
+
+    Example:
+        >>> from hyla.model.config import preset
+        >>> from hyla.model.context import Context
+        >>> layer = GLAMixer(preset("debug"))
+        >>> ids = torch.zeros(2, 5, dtype=torch.long)
+        >>> layer(torch.randn(2, 5, 64), Context.train(ids)).shape
+        torch.Size([2, 5, 64])
+    """
+
+    kind = "gla"
+
+    def __init__(self, cfg, layer_idx: int = 0):
+        super().__init__(cfg, layer_idx)
+        d, kd, vd = cfg.d_model, cfg.key_dim, cfg.value_dim
+        self.q_proj = nn.Linear(d, kd, bias=False)
+        self.k_proj = nn.Linear(d, kd, bias=False)
+        self.v_proj = nn.Linear(d, vd, bias=False)
+        self.gk_proj = nn.Sequential(nn.Linear(d, cfg.gate_low_rank_dim, bias=False),
+                                     nn.Linear(cfg.gate_low_rank_dim, kd, bias=True))
+        self.g_proj = nn.Linear(d, vd, bias=False)
+        self.g_norm = RMSNorm(cfg.head_v_dim, eps=cfg.norm_eps)
+        self.o_proj = nn.Linear(vd, d, bias=False)
+
+    @classmethod
+    def state_spec(cls, cfg) -> StateSpec:
+        shape = (cfg.n_heads, cfg.head_k_dim, cfg.head_v_dim)
+        return StateSpec(cls.kind, fixed=(TensorSpec("state", shape, torch.float32),))
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        B, T, _ = x.shape
+        c = self.cfg
+        H, K, V = c.n_heads, c.head_k_dim, c.head_v_dim
+        q = self.q_proj(x).view(B, T, H, K)
+        k = self.k_proj(x).view(B, T, H, K)
+        v = self.v_proj(x).view(B, T, H, V)
+        gk = (F.logsigmoid(self.gk_proj(x).float()) / c.gate_logit_normalizer).view(B, T, H, K)
+        if ctx.mode == "train":
+            o, _ = chunk_gla(q, k, v, gk, cu_seqlens=ctx.cu_seqlens, chunk_size=c.chunk_size)
+        else:
+            buf = ctx.buffers[self.layer_idx]["state"]
+            state = ctx.load_fixed(buf)
+            if ctx.mode == "prefill":
+                o, state = chunk_gla(q, k, v, gk, initial_state=state, output_final_state=True,
+                                     cu_seqlens=ctx.cu_seqlens, chunk_size=c.chunk_size)
+            else:
+                o = gla_decode_step(q, k, v, gk, state)        # updates ``state`` in place
+            ctx.store_fixed(buf, state)
+        o = self.g_norm(o) * F.silu(self.g_proj(x).view_as(o))
+        return self.o_proj(o.reshape(B, T, c.value_dim))
