@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from hyla.cli import format_bytes, main
+from hyla.cli import main
+from hyla.cli.common import format_bytes
 
 
 def run(capsys, *argv):
@@ -148,7 +149,7 @@ def test_serve_loads_a_checkpoint(tmp_path):
 
     from rich.console import Console
 
-    from hyla.cli_serve import load_model
+    from hyla.cli.common import load_model
     from hyla.model import HylaLM, preset
     from hyla.model.checkpoint import save_checkpoint
 
@@ -163,8 +164,8 @@ def test_serve_trains_the_quickstart_model_when_missing(tmp_path, monkeypatch):
 
     from rich.console import Console
 
-    import hyla.cli
-    from hyla.cli_serve import QUICKSTART_DIR, load_model
+    import hyla.cli.common
+    from hyla.cli.common import QUICKSTART_DIR, load_model
     from hyla.model import HylaLM, preset
     from hyla.model.checkpoint import save_checkpoint
 
@@ -176,7 +177,7 @@ def test_serve_trains_the_quickstart_model_when_missing(tmp_path, monkeypatch):
         return QUICKSTART_DIR
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(hyla.cli, "train_quickstart", fake_train)
+    monkeypatch.setattr(hyla.cli.common, "train_quickstart", fake_train)
     args = argparse.Namespace(checkpoint=None, preset=None, device="cpu")
     assert load_model(args, Console(quiet=True))[2] == "quickstart" and len(calls) == 1
     load_model(args, Console(quiet=True))          # there now: not trained again

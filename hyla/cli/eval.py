@@ -1,4 +1,10 @@
-"""``hyla eval recall|needle|ppl``: thin maps onto hyla.eval."""
+"""``hyla eval recall|needle|ppl``: thin maps onto hyla.eval.
+
+Example:
+    $ hyla eval recall --preset quick --out benchmarks/results/recall_quick
+    $ hyla eval needle --checkpoint runs/quickstart --context 1K,4K
+    $ hyla eval ppl --checkpoint runs/quickstart --json
+"""
 
 from __future__ import annotations
 
@@ -10,13 +16,13 @@ import pathlib
 from rich.console import Console
 from rich.table import Table
 
-from hyla.cli import _Parser, _threads, positive
+from hyla.cli.common import Parser, positive, torch_threads
 
 
-def add_eval_commands(sub) -> None:
+def add_eval(sub) -> argparse.ArgumentParser:
     """Register ``hyla eval recall|needle|ppl`` on the ``hyla`` sub-parser set."""
-    p = sub.add_parser("eval", help="evaluations: recall (MQAR), needle, perplexity")
-    evals = p.add_subparsers(dest="eval_command", required=True, parser_class=_Parser)
+    group = sub.add_parser("eval", help="evaluations: recall (MQAR), needle, perplexity")
+    evals = group.add_subparsers(dest="eval_command", required=True, parser_class=Parser)
     p = evals.add_parser("recall", help="train GLA / hybrid / attention models on MQAR, "
                                         "plot accuracy vs load and vs state bytes")
     p.add_argument("--preset", default="quick", choices=["quick", "zoology"],
@@ -45,6 +51,10 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=65536)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ppl)
+    return group
+
+
+COMMANDS = {"eval": add_eval}
 
 
 def cmd_eval_recall(args: argparse.Namespace, out: Console) -> int:
@@ -62,7 +72,7 @@ def cmd_eval_recall(args: argparse.Namespace, out: Console) -> int:
               f"{', '.join(f'{lr:g}' for lr in p.lrs)} ({runs} trainings of "
               f"{p.train_steps} steps), seed {args.seed}")
     start = time.perf_counter()
-    with _threads(args.threads):
+    with torch_threads(args.threads):
         records = run_recall(p, seed=args.seed, progress=lambda line: out.print(line))
     seconds = time.perf_counter() - start
     best = best_records(records)

@@ -29,8 +29,8 @@ _HELP = {
 }
 
 
-def add_distill_commands(sub) -> None:
-    """Register ``distill`` and ``export`` on the ``hyla`` sub-parser set."""
+def add_distill(sub) -> argparse.ArgumentParser:
+    """Register ``hyla distill`` on the ``hyla`` sub-parser set."""
     p = sub.add_parser("distill", help="distil an attention teacher into a hybrid student")
     defaults = DistillConfig()
     for field in dataclasses.fields(DistillConfig):
@@ -50,13 +50,21 @@ def add_distill_commands(sub) -> None:
                    help="continue the distillation in DIR from its newest checkpoint")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_distill)
+    return p
 
+
+def add_export(sub) -> argparse.ArgumentParser:
+    """Register ``hyla export`` on the ``hyla`` sub-parser set."""
     p = sub.add_parser("export", help="write an all-attention hyla checkpoint in a "
                                       "transformers format")
     p.add_argument("--format", default="llama", choices=["llama"])
     p.add_argument("checkpoint", help="a hyla checkpoint or training run directory")
     p.add_argument("out", help="output directory (loads with transformers)")
     p.set_defaults(func=cmd_export)
+    return p
+
+
+COMMANDS = {"distill": add_distill, "export": add_export}
 
 
 def cmd_distill(args: argparse.Namespace, out: Console) -> int:

@@ -9,13 +9,13 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from hyla.cli import _Parser, format_bytes, positive
+from hyla.cli.common import Parser, format_bytes, positive
 
 
-def add_bench_commands(sub) -> None:
+def add_bench(sub) -> argparse.ArgumentParser:
     """Register ``hyla bench ...`` on the ``hyla`` sub-parser set."""
     bench = sub.add_parser("bench", help="measurements behind the README's claims")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=Parser)
     p = bench_sub.add_parser("muon-comm", help="distributed Muon traffic: all_gather vs "
                              "all_to_all, W local gloo processes")
     p.add_argument("--world", required=True, type=positive, help="processes (ranks), >= 2")
@@ -28,6 +28,10 @@ def add_bench_commands(sub) -> None:
     p.add_argument("--comm-dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_bench_muon_comm)
+    return bench
+
+
+COMMANDS = {"bench": add_bench}
 
 
 def cmd_bench_muon_comm(args: argparse.Namespace, out: Console) -> int:

@@ -20,14 +20,11 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from hyla.cli import (
-    _Parser,  # noqa: F401  (sub-parsers use the shared parser class)
-    positive_float,
-)
+from hyla.cli.common import positive_float
 
 
-def add_disagg_commands(sub) -> None:
-    """Register ``simulate`` and ``kv-table`` on the ``hyla`` sub-parser set."""
+def add_simulate(sub) -> argparse.ArgumentParser:
+    """Register ``hyla simulate`` on the ``hyla`` sub-parser set."""
     p = sub.add_parser("simulate", help="simulate homogeneous PD, naive heterogeneous and "
                        "Prefill-as-a-Service deployments (SimPy)")
     p.add_argument("--setup", default="published", choices=("published",),
@@ -60,7 +57,11 @@ def add_disagg_commands(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
     p.set_defaults(func=cmd_simulate)
+    return p
 
+
+def add_profile(sub) -> argparse.ArgumentParser:
+    """Register ``hyla profile`` on the ``hyla`` sub-parser set."""
     p = sub.add_parser("profile", help="measure this machine's engine step costs (prefill "
                        "fixed cost and speed, decode by width and context) for hyla simulate")
     p.add_argument("--preset", default="debug", help="model preset (random weights)")
@@ -68,18 +69,26 @@ def add_disagg_commands(sub) -> None:
     p.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     p.add_argument("--json", required=True, metavar="OUT")
     p.set_defaults(func=cmd_profile)
+    return p
 
+
+def add_kv_table(sub) -> argparse.ArgumentParser:
+    """Register ``hyla kv-table`` on the ``hyla`` sub-parser set."""
     p = sub.add_parser("kv-table", help="Gbps of state/KV a prefill instance emits at 32K "
                        "tokens: dense vs 3:1 vs 7:1 hybrids")
     p.add_argument("--tokens", type=int, default=32_768)
     p.add_argument("--json", default=None, metavar="OUT")
     p.set_defaults(func=cmd_kv_table)
+    return p
+
+
+COMMANDS = {"simulate": add_simulate, "profile": add_profile, "kv-table": add_kv_table}
 
 
 def run_simulate(args: argparse.Namespace, progress=None) -> dict:
-    from hyla.disagg.sim import SimConfig
-    from hyla.disagg.sim_hardware import published_1t_hybrid
-    from hyla.disagg.sim_setups import (
+    from hyla.disagg.sim.hardware import published_1t_hybrid
+    from hyla.disagg.sim.model import SimConfig
+    from hyla.disagg.sim.setups import (
         PUBLISHED_INPUTS,
         compare,
         published_deployments,
@@ -115,7 +124,7 @@ def run_simulate(args: argparse.Namespace, progress=None) -> dict:
     cfg = SimConfig(link_gbps=args.link_gbps)
     res = compare(model, deps, make, rate=args.rate, cfg=cfg,
                   rate_range=with_rate_range(model, deps), progress=progress)
-    from hyla.disagg.sim_workload import describe
+    from hyla.disagg.sim.workload import describe
 
     return {"setup": args.setup, "model": model.to_dict(),
             "workload": {"trace": args.trace, "length_scale": args.length_scale,
@@ -134,7 +143,7 @@ def _measured(path: str, deps: dict) -> tuple:
 
     import torch
 
-    from hyla.disagg.sim_hardware import load_measured_profile, spec_from_config
+    from hyla.disagg.sim.hardware import load_measured_profile, spec_from_config
     from hyla.model.config import preset
 
     prof = load_measured_profile(path)
@@ -149,7 +158,7 @@ def _measured(path: str, deps: dict) -> tuple:
 def cmd_profile(args: argparse.Namespace, out: Console) -> int:
     import torch
 
-    from hyla.disagg.sim_profile import measure_engine_profile
+    from hyla.disagg.sim.profile import measure_engine_profile
     from hyla.model import HylaLM
     from hyla.model.config import preset
 
@@ -198,7 +207,7 @@ def cmd_simulate(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_kv_table(args: argparse.Namespace, out: Console) -> int:
-    from hyla.disagg.kv_table import kv_table
+    from hyla.disagg.sim.kv_table import kv_table
 
     if args.tokens < 1:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")

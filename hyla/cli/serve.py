@@ -1,6 +1,7 @@
-"""``hyla serve``: the OpenAI-compatible server (:mod:`hyla.serve.api`) under uvicorn.
+"""``hyla serve``: the OpenAI-compatible server (:mod:`hyla.serve.api`) under uvicorn, and
+``hyla generate`` (sample text from a checkpoint or a random preset).
 
-With neither ``--checkpoint`` nor ``--preset`` it serves the quickstart model
+With neither ``--checkpoint`` nor ``--preset``, ``hyla serve`` serves the quickstart model
 (``runs/quickstart``), training it first (a few minutes on a CPU) if it is not there.
 Decode runs eagerly by default; ``--compile`` puts it through ``torch.compile`` (one graph
 per decode batch width: worth it on a GPU, minutes of compiling on a CPU).
@@ -8,22 +9,40 @@ per decode batch width: worth it on a GPU, minutes of compiling on a CPU).
 Example:
     $ hyla serve --preset debug --port 8000
     $ hyla serve --checkpoint runs/quickstart --api-key secret --max-num-seqs 32
+    $ hyla generate --preset debug --prompt "Hello" --max-tokens 32 --seed 0
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import pathlib
+import sys
 
 from rich.console import Console
 
-from hyla.cli import positive
+from hyla.cli.common import (
+    QUICKSTART_DIR,
+    add_sampling,
+    generate_text,
+    load_model,
+    positive,
+    random_model,
+    torch_threads,
+)
 
-QUICKSTART_DIR = "runs/quickstart"
+
+def add_generate(sub) -> argparse.ArgumentParser:
+    """Register ``hyla generate`` on the ``hyla`` sub-parser set."""
+    p = sub.add_parser("generate", help="sample text from a checkpoint or a random preset")
+    p.add_argument("--preset", default=None, help="random weights of this preset")
+    p.add_argument("--checkpoint", default=None, help="a checkpoint directory")
+    p.add_argument("--prompt", required=True)
+    add_sampling(p, 64, None)
+    p.set_defaults(func=cmd_generate)
+    return p
 
 
-def add_serve_commands(sub) -> None:
+def add_serve(sub) -> argparse.ArgumentParser:
     """Register ``hyla serve`` on the ``hyla`` sub-parser set."""
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, "
                                      "streaming, /metrics)")
@@ -61,30 +80,28 @@ def add_serve_commands(sub) -> None:
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
+    return p
 
 
-def load_model(args: argparse.Namespace, out: Console):
-    """(model, tokenizer, default model name) for the serve arguments."""
-    import torch
+COMMANDS = {"generate": add_generate, "serve": add_serve}
 
-    from hyla.cli import _random_model
-    from hyla.model.checkpoint import CONFIG, latest_checkpoint, load_checkpoint
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.preset is not None:
-        model, tok = _random_model(args.preset, args.seed)
-        out.print(f"[dim](preset {args.preset}: random weights, the text is noise)[/]")
-        return model.to(device), tok, f"hyla-{args.preset}"
-    path = args.checkpoint
-    if path is None:
-        path = QUICKSTART_DIR
-        if not (latest_checkpoint(pathlib.Path(path)) / CONFIG).is_file():
-            from hyla.cli import train_quickstart
+def cmd_generate(args: argparse.Namespace, out: Console) -> int:
+    if (args.preset is None) == (args.checkpoint is None):
+        raise ValueError("generate needs exactly one of --preset P (random weights) or "
+                         "--checkpoint DIR")
+    if args.checkpoint is not None:
+        from hyla.model.checkpoint import load_checkpoint
 
-            out.print(f"No checkpoint in {path}: training the quickstart model first.")
-            train_quickstart(out)
-    model, tok = load_checkpoint(path, device=device)
-    return model, tok, pathlib.Path(path).resolve().name
+        model, tok = load_checkpoint(args.checkpoint)
+    else:
+        model, tok = random_model(args.preset, args.seed)
+    with torch_threads(args.threads):
+        text = generate_text(model, tok, args.prompt, args)
+    if args.checkpoint is None:
+        out.print("[dim](random weights: the text is noise until a checkpoint is loaded)[/]")
+    sys.stdout.write(args.prompt + text + "\n")
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace, out: Console) -> int:

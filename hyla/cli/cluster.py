@@ -19,7 +19,7 @@ import time
 
 from rich.console import Console
 
-from hyla.cli import positive, positive_float
+from hyla.cli.common import QUICKSTART_DIR, load_model, positive, positive_float
 
 
 def _urls(value: str) -> list[str]:
@@ -29,9 +29,8 @@ def _urls(value: str) -> list[str]:
     return urls
 
 
-def add_cluster_commands(sub) -> None:
-    """Register ``hyla cluster``, and the ``--role`` options of ``hyla serve`` (which must
-    already be registered)."""
+def add_cluster(sub) -> argparse.ArgumentParser:
+    """Register ``hyla cluster`` on the ``hyla`` sub-parser set."""
     p = sub.add_parser("cluster", help="router + remote prefill pool + local PD pool on this "
                                        "machine (Prefill-as-a-Service, one process a worker)")
     p.add_argument("--config", default=None, help="cluster.toml (the flags override it)")
@@ -58,8 +57,16 @@ def add_cluster_commands(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("HYLA_API_KEY"))
     p.add_argument("--log-dir", default=None, help="workers' logs (default: a temp folder)")
     p.set_defaults(func=cmd_cluster)
+    return p
 
-    serve = sub.choices["serve"]
+
+COMMANDS = {"cluster": add_cluster}
+
+
+def add_role_options(serve: argparse.ArgumentParser) -> None:
+    """Give ``hyla serve`` (the parser of :func:`hyla.cli.serve.add_serve`) its ``--role``
+    options: with ``--role``, it runs that role (:func:`cmd_role`) instead of a plain
+    server."""
     g = serve.add_argument_group("Prefill-as-a-Service roles (hyla.disagg)")
     g.add_argument("--role", choices=("prefill", "decode", "router"), default=None,
                    help="run one role of a disaggregated cluster instead of a plain server")
@@ -102,7 +109,6 @@ def _watch_parent() -> None:
 
 
 def _tokenizer_and_name(args):
-    from hyla.cli_serve import QUICKSTART_DIR
     from hyla.data.tokenizer import ByteTokenizer, load_tokenizer
     from hyla.model.checkpoint import latest_checkpoint
 
@@ -121,8 +127,8 @@ def cmd_role(args: argparse.Namespace, out: Console) -> int:
     run = dict(host=args.host, port=args.port, log_level=args.log_level,
                timeout_graceful_shutdown=3)
     if args.role == "router":
-        from hyla.disagg.live_router import LiveRouter, LiveRouterConfig
-        from hyla.disagg.router_app import create_router_app
+        from hyla.disagg.live.router import LiveRouter, LiveRouterConfig, live_policy
+        from hyla.disagg.live.router_app import create_router_app
 
         if not args.decode_workers:
             raise ValueError("--role router needs --decode-workers URL[,URL...]")
@@ -130,9 +136,10 @@ def cmd_role(args: argparse.Namespace, out: Console) -> int:
         cfg = LiveRouterConfig(prefill_urls=args.prefill_workers,
                                decode_urls=args.decode_workers,
                                model_name=args.model_name or name,
-                               max_model_len=args.max_model_len, threshold=args.threshold,
-                               link_gbps=args.link_gbps or 10.0,
-                               adapt=not args.static_threshold,
+                               max_model_len=args.max_model_len,
+                               policy=live_policy(threshold=args.threshold,
+                                                  link_gbps=args.link_gbps or 10.0,
+                                                  adapt=not args.static_threshold),
                                transfer_timeout_s=args.transfer_timeout,
                                api_key=args.api_key, force=args.force_path,
                                # a PD worker keeps max_num_seqs GLA snapshots (engine default)
@@ -144,13 +151,11 @@ def cmd_role(args: argparse.Namespace, out: Console) -> int:
 
     import torch
 
-    from hyla.cli_serve import load_model
-
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, tok, name = load_model(args, out)
     if args.role == "prefill":
-        from hyla.disagg.worker_prefill import PrefillService, create_prefill_app
+        from hyla.disagg.live.worker_prefill import PrefillService, create_prefill_app
 
         svc = PrefillService(model, max_model_len=args.max_model_len,
                              chunk_tokens=args.max_num_batched_tokens,
@@ -163,7 +168,7 @@ def cmd_role(args: argparse.Namespace, out: Console) -> int:
             svc.close()
         return 0
 
-    from hyla.disagg.worker_decode import build_decode_worker
+    from hyla.disagg.live.worker_decode import build_decode_worker
     from hyla.serve.engine import EngineConfig
 
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -185,7 +190,7 @@ def cmd_role(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_cluster(args: argparse.Namespace, out: Console) -> int:
-    from hyla.disagg.cluster import launch, load_spec
+    from hyla.disagg.live.cluster import launch, load_spec
 
     spec = load_spec(args.config, preset=args.preset, checkpoint=args.checkpoint,
                      host=args.host, port=args.port, prefill_workers=args.prefill_workers,
@@ -194,8 +199,7 @@ def cmd_cluster(args: argparse.Namespace, out: Console) -> int:
                      max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                      threads=args.threads, api_key=args.api_key, log_dir=args.log_dir)
     if spec.preset is None and spec.checkpoint is None:
-        from hyla.cli import train_quickstart
-        from hyla.cli_serve import QUICKSTART_DIR
+        from hyla.cli.common import train_quickstart
         from hyla.model.checkpoint import CONFIG, latest_checkpoint
 
         if not (latest_checkpoint(pathlib.Path(QUICKSTART_DIR)) / CONFIG).is_file():

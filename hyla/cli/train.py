@@ -1,0 +1,171 @@
+"""``hyla train``, ``hyla plot`` and ``hyla tokenizer train``: thin maps onto hyla.train;
+``hyla quickstart``: state accounting, a short training run, a sample.
+
+Example:
+    $ hyla quickstart
+    $ hyla train --preset small --steps 200 --out runs/small
+    $ hyla plot runs/small
+    $ hyla tokenizer train --vocab-size 8192 --out runs/tok
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+
+from rich.console import Console
+
+from hyla.cli.common import (
+    DEFAULT_BUDGET_GIB,
+    add_sampling,
+    format_bytes,
+    generate_text,
+    memory_table,
+    positive,
+    published_line,
+    torch_threads,
+    train_quickstart,
+)
+from hyla.train.config import OPTIMIZERS, PRECISIONS, TrainConfig
+
+
+def add_quickstart(sub) -> argparse.ArgumentParser:
+    """Register ``hyla quickstart`` on the ``hyla`` sub-parser set."""
+    p = sub.add_parser("quickstart", help="state accounting, a short training run, a sample")
+    p.add_argument("--preset", default="small")
+    p.add_argument("--steps", type=positive, default=120)
+    p.add_argument("--out", default="runs/quickstart")
+    add_sampling(p, 48, 1)
+    p.set_defaults(func=cmd_quickstart)
+    return p
+
+
+def add_train(sub) -> argparse.ArgumentParser:
+    """Register ``hyla train`` on the ``hyla`` sub-parser set."""
+    p = sub.add_parser("train", help="train a preset on the stdlib corpus or your data")
+    defaults = TrainConfig()
+    for field in dataclasses.fields(TrainConfig):
+        flag = "--" + field.name.replace("_", "-")
+        default = getattr(defaults, field.name)
+        if isinstance(default, bool):
+            p.add_argument(flag, action="store_true")
+        elif field.name in ("optimizer", "precision"):
+            choices = OPTIMIZERS if field.name == "optimizer" else PRECISIONS
+            p.add_argument(flag, choices=choices, default=default)
+        else:
+            kind = type(default) if default is not None else str
+            p.add_argument(flag, type=kind, default=default)
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue the run in DIR from its newest checkpoint")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_train)
+    return p
+
+
+def add_plot(sub) -> argparse.ArgumentParser:
+    """Register ``hyla plot`` on the ``hyla`` sub-parser set."""
+    p = sub.add_parser("plot", help="write a run's loss curves as PNG")
+    p.add_argument("run_dir")
+    p.set_defaults(func=cmd_plot)
+    return p
+
+
+def add_tokenizer(sub) -> argparse.ArgumentParser:
+    """Register ``hyla tokenizer train`` on the ``hyla`` sub-parser set."""
+    p = sub.add_parser("tokenizer", help="tokenizer tools")
+    tsub = p.add_subparsers(dest="tokenizer_command", required=True, parser_class=p.__class__)
+    t = tsub.add_parser("train", help="train a byte-level BPE on a corpus")
+    t.add_argument("--data", default=None, help="corpus (default: the stdlib corpus)")
+    t.add_argument("--vocab-size", type=int, default=8192)
+    t.add_argument("--documents", type=int, default=2000, help="documents to learn from")
+    t.add_argument("--out", required=True, help="directory for tokenizer.json")
+    t.set_defaults(func=cmd_tokenizer_train)
+    return p
+
+
+COMMANDS = {"quickstart": add_quickstart, "train": add_train, "plot": add_plot,
+            "tokenizer": add_tokenizer}
+
+
+def serve_hint(checkpoint: str, name: str, port: int = 8000) -> str:
+    """What to run to serve ``checkpoint`` and query it with curl and the openai client.
+
+    Example:
+        >>> "hyla serve --checkpoint runs/q" in serve_hint("runs/q", "q")
+        True
+    """
+    base = f"http://127.0.0.1:{port}/v1"
+    body = json.dumps({"model": name, "prompt": "def fibonacci(n):", "max_tokens": 32})
+    return (f"Serve it (OpenAI-compatible API on 127.0.0.1:{port}):\n"
+            f"  hyla serve --checkpoint {checkpoint}\n"
+            f"Then, from another shell:\n"
+            f"  curl {base}/completions -H 'Content-Type: application/json' -d '{body}'\n"
+            f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base}', "
+            f"api_key='none'); print(c.completions.create(model='{name}', "
+            f"prompt='def fibonacci(n):', max_tokens=32).choices[0].text)\"")
+
+
+def cmd_quickstart(args: argparse.Namespace, out: Console) -> int:
+    from hyla.eval.memory import memory_report
+
+    out.rule("hyla quickstart")
+    small = memory_report("small", 8192, budget_gib=DEFAULT_BUDGET_GIB)
+    out.print(f"Preset [bold]small[/]: layers {small['layers']}, "
+              f"{small['params']:,} parameters.")
+    out.print(memory_table(small))
+    big = memory_report("laplace-3b", 8192, budget_gib=DEFAULT_BUDGET_GIB)
+    out.print(f"Preset [bold]laplace-3b[/] (all GLA, {big['params'] / 1e9:.2f}B parameters) at "
+              f"8K tokens: {format_bytes(big['state_bytes'])} of state per sequence vs "
+              f"{format_bytes(big['kv_bytes'])} of bf16 KV cache: {big['ratio']:.0f}x less.")
+    line = published_line(big)
+    if line:
+        out.print(line)
+    from hyla.model.checkpoint import load_checkpoint
+
+    ckpt = train_quickstart(out, preset=args.preset, steps=args.steps, out_dir=args.out)
+    model, tok = load_checkpoint(ckpt)
+    prompt = "def fibonacci(n):\n    "
+    with torch_threads(args.threads):
+        text = generate_text(model, tok, prompt, args)
+    out.print("A sampled completion of a Python prompt:")
+    out.print(prompt + text, markup=False, highlight=False)
+    out.print(serve_hint(ckpt, pathlib.Path(ckpt).resolve().name), markup=False,
+              highlight=False, soft_wrap=True)     # no wrapping: the lines are to copy
+    return 0
+
+
+def cmd_train(args: argparse.Namespace, out: Console) -> int:
+    from hyla.train.trainer import Trainer
+
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    trainer = Trainer(cfg, resume=args.resume)
+    out.print(f"training [bold]{trainer.cfg.preset}[/] "
+              f"({trainer.model.num_parameters():,} parameters) -> {trainer.out}")
+    record = trainer.fit(progress=not args.no_progress)
+    out.print(f"step {record['step']}: validation loss {record.get('val_loss', float('nan')):.3f}"
+              f"; checkpoint in {trainer.out}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace, out: Console) -> int:
+    from hyla.train.plot import plot_metrics
+
+    out.print(f"wrote {plot_metrics(args.run_dir)}")
+    return 0
+
+
+def cmd_tokenizer_train(args: argparse.Namespace, out: Console) -> int:
+    from hyla.data.corpus import iter_documents
+    from hyla.data.tokenizer import train_bpe
+
+    docs = iter_documents(args.data, "train")
+    sample = (d for _, d in zip(range(args.documents), docs, strict=False))
+    tok = train_bpe(sample, args.vocab_size)
+    target = pathlib.Path(args.out)
+    target.mkdir(parents=True, exist_ok=True)
+    tok.save(target / "tokenizer.json")
+    out.print(f"wrote {target / 'tokenizer.json'} ({tok.vocab_size:,} tokens)")
+    return 0
