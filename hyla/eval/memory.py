@@ -4,9 +4,11 @@ Everything here is computed from the config alone (the parameter count comes fro
 built on the meta device, which allocates nothing), so it runs in milliseconds for a 3B
 config. The formula is checked against a real :class:`hyla.model.SequenceState` in the tests.
 
-- a GLA layer keeps an fp32 ``[H, K, V]`` matrix: ``H * K * V * 4`` bytes, whatever the context;
-- an attention layer keeps keys and values: ``2 * N * kv_dim * bytes(kv_dtype)``;
-- the baseline is a model of the same width and depth with attention in every layer.
+Every size comes from the mixers' :class:`~hyla.model.mixers.StateSpec` (one per layer):
+fixed entries (a GLA layer's fp32 ``[H, K, V]`` matrix, whatever the context) plus growing
+ones times the context (an attention layer's keys and values, ``2 * kv_dim`` values a
+token in ``kv_dtype``). The baseline is a model of the same width and depth with softmax
+attention in every layer.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import re
 import torch
 
 from hyla.model.config import HylaConfig, preset
+from hyla.model.mixers import MIXERS, AttentionMixer, layer_specs
 
 GIB = 1024**3
 
@@ -56,46 +59,32 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def gla_layer_state_bytes(cfg: HylaConfig) -> int:
-    """Bytes of one GLA layer's fp32 state ``[H, K, V]`` for one sequence.
-
-    Example:
-        >>> gla_layer_state_bytes(preset("laplace-3b"))  # 16 * 96 * 192 * 4
-        1179648
-    """
-    return cfg.n_heads * cfg.head_k_dim * cfg.head_v_dim * 4
-
-
-def attention_layer_kv_bytes(cfg: HylaConfig, context: int,
-                             kv_dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes of one attention layer's keys and values for ``context`` tokens of one sequence.
-
-    Example:
-        >>> attention_layer_kv_bytes(preset("debug"), 100)  # 2 * 100 * (2 * 16) * 2
-        12800
-    """
-    return 2 * context * cfg.kv_dim * _dtype_bytes(kv_dtype)
-
-
 def state_bytes(cfg: HylaConfig, context: int | str,
                 kv_dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Per-sequence state of the hybrid ``cfg`` after ``context`` tokens, by layer kind.
+    """Per-sequence state of the hybrid ``cfg`` after ``context`` tokens, in bytes.
 
-    Returns ``{"total", "gla", "attention", "per_layer": [...]}``, all in bytes.
-    ``kv_dtype`` is the dtype of the attention layers' keys and values (the model dtype).
+    Returns ``{"total", "fixed", "growing", "per_layer": [...]}`` plus one key per
+    registered layer kind (``"gla"``, ``"attention"``, ...; 0 for kinds ``cfg`` lacks).
+    ``fixed`` is what a sequence keeps whatever its length, ``growing`` what its
+    ``context`` tokens add. ``kv_dtype`` is the model dtype (that of attention caches).
 
     Example:
         >>> s = state_bytes(preset("laplace-3b"), 8192)
-        >>> s["total"], s["attention"]
-        (28311552, 0)
+        >>> s["total"], s["attention"], s["fixed"]
+        (28311552, 0, 28311552)
     """
     n = parse_context(context)
-    gla = gla_layer_state_bytes(cfg)
-    attn = attention_layer_kv_bytes(cfg, n, kv_dtype)
-    per_layer = [gla if c == "G" else attn for c in cfg.layers]
-    n_gla = cfg.layers.count("G")
-    return {"total": sum(per_layer), "gla": n_gla * gla,
-            "attention": (cfg.n_layers - n_gla) * attn, "per_layer": per_layer}
+    _dtype_bytes(kv_dtype)
+    specs = layer_specs(cfg)
+    per_layer = [spec.nbytes(n, kv_dtype) for spec in specs]
+    out = {"total": sum(per_layer),
+           "fixed": sum(spec.fixed_bytes(kv_dtype) for spec in specs),
+           "growing": n * sum(spec.per_token_bytes(kv_dtype) for spec in specs),
+           "per_layer": per_layer}
+    out.update({m.kind: 0 for m in MIXERS.values()})
+    for spec, b in zip(specs, per_layer, strict=True):
+        out[spec.kind] += b
+    return out
 
 
 def kv_cache_bytes(cfg: HylaConfig, context: int | str,
@@ -106,7 +95,7 @@ def kv_cache_bytes(cfg: HylaConfig, context: int | str,
         >>> kv_cache_bytes(preset("laplace-3b"), "8K")  # 24 * 2 * 8192 * 3072 * 2
         2415919104
     """
-    return cfg.n_layers * attention_layer_kv_bytes(cfg, parse_context(context), kv_dtype)
+    return state_bytes(all_attention(cfg), context, kv_dtype)["total"]
 
 
 def num_parameters(cfg: HylaConfig) -> int:
@@ -147,7 +136,7 @@ def _skip_init():
 
 def all_attention(cfg: HylaConfig) -> HylaConfig:
     """The baseline: ``cfg`` with every layer softmax attention."""
-    return dataclasses.replace(cfg, layers="A" * cfg.n_layers)
+    return dataclasses.replace(cfg, layers=AttentionMixer.letter * cfg.n_layers)
 
 
 def _fit(budget_bytes: float | None, weight_bytes: int, per_sequence: int) -> int | None:
@@ -191,8 +180,8 @@ def memory_report(cfg: HylaConfig | str, context: int | str, budget_gib: float |
     kv = kv_cache_bytes(cfg, n, kv_dtype)
     wbytes = _dtype_bytes(weight_dtype)
     params = num_parameters(cfg)
-    attn_params = params if cfg.layers == "A" * cfg.n_layers else num_parameters(
-        all_attention(cfg))
+    baseline = all_attention(cfg)
+    attn_params = params if cfg.layers == baseline.layers else num_parameters(baseline)
     budget = budget_gib * GIB if budget_gib is not None else None
     fit = None
     if budget is not None:
@@ -203,8 +192,8 @@ def memory_report(cfg: HylaConfig | str, context: int | str, budget_gib: float |
         "preset": name,
         "context": n,
         "state_bytes": state["total"],
-        "state_breakdown": {"gla": state["gla"], "attention": state["attention"]},
-        "layers": {"gla": cfg.layers.count("G"), "attention": cfg.layers.count("A")},
+        "state_breakdown": {m.kind: state[m.kind] for m in MIXERS.values()},
+        "layers": {m.kind: cfg.layers.count(k) for k, m in MIXERS.items()},
         "kv_bytes": kv,
         "ratio": kv / state["total"],
         "params": params,

@@ -35,25 +35,31 @@ class ShortConvLM(nn.Module):
         self.cfg, self.kernel = cfg, kernel
         self.lm = HylaLM(cfg)
         d = cfg.d_model
-        self.convs = nn.ModuleList(nn.Conv1d(d, d, kernel, groups=d, bias=True)
-                                   for _ in cfg.layers)
+        for block in self.lm.blocks:   # the model's own block loop runs, each mixer wrapped
+            block.mixer = ConvBeforeMixer(nn.Conv1d(d, d, kernel, groups=d, bias=True),
+                                          block.mixer)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, T], got {tuple(input_ids.shape)}")
-        lm = self.lm
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        x = lm.embed(input_ids)
-        for block, conv in zip(lm.blocks, self.convs, strict=True):
-            h = block.mixer_norm(x)
-            # Left padding keeps it causal: output t sees inputs t-kernel+1 .. t.
-            h = conv(F.pad(h.transpose(1, 2), (self.kernel - 1, 0))).transpose(1, 2)
-            x = x + (block.mixer(h) if block.kind == "gla" else block.mixer(h, positions))
-            x = x + block.mlp(block.mlp_norm(x))
-        return lm.lm_head(lm.norm(x))
+        return self.lm(input_ids)
+
+
+class ConvBeforeMixer(nn.Module):
+    """A mixer that reads a causal depthwise convolution of its input (training form)."""
+
+    def __init__(self, conv: nn.Conv1d, mixer: nn.Module):
+        super().__init__()
+        self.conv, self.mixer = conv, mixer
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        if ctx.mode != "train":
+            raise ValueError("ShortConvLM is a training-only model: it keeps no conv state")
+        # Left padding keeps it causal: output t sees inputs t-kernel+1 .. t.
+        pad = self.conv.kernel_size[0] - 1
+        h = self.conv(F.pad(x.transpose(1, 2), (pad, 0))).transpose(1, 2)
+        return self.mixer(h, ctx)
 
 
 def build_model(cfg: HylaConfig, short_conv: int = 0) -> nn.Module:

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 
-
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dim, computed in float32.
 

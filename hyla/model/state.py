@@ -23,7 +23,7 @@ import zlib
 
 import torch
 
-from hyla.model.mixers import StateSpec, layer_specs
+from hyla.model.mixers import MIXERS, StateSpec, layer_specs
 
 MAGIC = b"HYLASTAT"
 VERSION = 1
@@ -146,8 +146,9 @@ class SequenceState:
         return sum(t.numel() * t.element_size() for ts in self.tensors for t in ts)
 
     def bytes_by_kind(self) -> dict[str, int]:
-        """Payload bytes split by the layer kinds present: {"gla": ..., "attention": ...}."""
-        out = dict.fromkeys(self.kinds, 0)
+        """Payload bytes split by layer kind: {"gla": ..., "attention": ...}, one key per
+        registered mixer kind (0 where the model has none)."""
+        out = dict.fromkeys([m.kind for m in MIXERS.values()] + self.kinds, 0)
         for kind, ts in zip(self.kinds, self.tensors, strict=True):
             out[kind] += sum(t.numel() * t.element_size() for t in ts)
         return out

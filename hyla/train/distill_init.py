@@ -3,31 +3,21 @@
 The student has the teacher's width, depth, vocabulary, embeddings, MLPs and norms. Its layer
 mix is a pattern such as ``"GGGA" * 4``:
 
-- ``A`` layers copy the teacher's attention. With fewer KV heads (``kv_heads``, KV-cache
-  compression) each student KV head is the mean of the group of teacher KV heads it replaces:
-  query head ``h`` read teacher KV head ``h // (H / H_kv)``, and that head falls in student
-  group ``h // (H / H_s)``, so every query keeps reading a merge of the head it used to read.
-  Rotary is linear and the same for every head, so the merged rotated key is the rotated
-  merged key.
-- ``G`` layers take q, k, v and o from the teacher's attention (``expand_k = expand_v = 1`` so
-  each GLA head has the teacher's head dim; KV heads repeated for every query head). GLA uses
-  no positions, so the rotary part of the teacher is what stage 1 must make up for. The
-  forget gates start input-independent (``gk_proj.1.weight = 0``) with biases spreading each
-  head's key channels over forgetting time scales of 16 to 4,096 tokens, log-uniformly:
-  slow forgetting, so the layer starts close to the long memory of the attention it replaces.
-  ``g_proj`` and the per-head output norm keep their fresh initialisation.
+Each student mixer takes what fits from the teacher's attention layer at its place
+(:meth:`hyla.model.mixers.Mixer.init_from_attention`; the ``A`` and ``G`` mixers document
+how), and says whether it is then an exact copy (nothing for stage 1 to learn). The
+student's linear layers get ``expand_k = expand_v = 1``, so each head has the teacher's
+head dim.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
 from hyla.model import HylaConfig, HylaLM
-
-TIMESCALES = (16.0, 4096.0)  # tokens: the slowest and fastest forgetting of the initial gates
+from hyla.model.mixers import MIXERS, AttentionMixer
 
 
 def student_config(teacher: HylaConfig, layers: str, kv_heads: int | None = None
@@ -43,12 +33,13 @@ def student_config(teacher: HylaConfig, layers: str, kv_heads: int | None = None
         >>> s.layers, s.n_kv_heads, s.head_k_dim == t.head_dim
         ('GGGA', 1, True)
     """
-    if set(teacher.layers) != {"A"}:
+    if any(MIXERS[c] is not AttentionMixer for c in teacher.layers):
         raise ValueError(f"the teacher must have only attention layers, got layers="
                          f"{teacher.layers!r}")
-    if not isinstance(layers, str) or len(layers) != teacher.n_layers or set(layers) - {"G", "A"}:
-        raise ValueError(f"--layers must be a string of {teacher.n_layers} letters G or A (one "
-                         f"per teacher layer), got {layers!r} ({len(layers)} letters)")
+    if not isinstance(layers, str) or len(layers) != teacher.n_layers or set(layers) - set(MIXERS):
+        raise ValueError(f"--layers must be a string of {teacher.n_layers} letters of "
+                         f"{''.join(sorted(MIXERS))} (one per teacher layer), got {layers!r} "
+                         f"({len(layers)} letters)")
     t_kv = teacher.n_kv_heads
     if kv_heads is None:
         kv_heads = t_kv
@@ -57,39 +48,6 @@ def student_config(teacher: HylaConfig, layers: str, kv_heads: int | None = None
                          f"got {kv_heads!r}")
     return dataclasses.replace(teacher, layers=layers, n_kv_heads=kv_heads, expand_k=1.0,
                                expand_v=1.0)
-
-
-def merge_kv_heads(weight: torch.Tensor, heads: int, new_heads: int) -> torch.Tensor:
-    """[heads * D, d] projection rows -> [new_heads * D, d], each new head the mean of a group.
-
-    Example:
-        >>> w = torch.arange(8.0)[:, None]          # 4 heads of D = 2
-        >>> merge_kv_heads(w, 4, 2)[:, 0].tolist()
-        [1.0, 2.0, 5.0, 6.0]
-    """
-    D = weight.shape[0] // heads
-    return weight.view(new_heads, heads // new_heads, D, -1).mean(1).reshape(new_heads * D, -1)
-
-
-def expand_kv_heads(weight: torch.Tensor, heads: int, new_heads: int) -> torch.Tensor:
-    """[heads * D, d] -> [new_heads * D, d], head ``j`` repeated for its ``new_heads / heads``
-    query heads (GQA order: query head ``h`` reads KV head ``h // (new_heads / heads)``)."""
-    D = weight.shape[0] // heads
-    return weight.view(heads, D, -1).repeat_interleave(new_heads // heads, 0).reshape(
-        new_heads * D, -1)
-
-
-def slow_gate_bias(cfg: HylaConfig) -> torch.Tensor:
-    """Gate biases [key_dim]: per head, key channels forget over 16 ... 4,096 tokens.
-
-    The log forget gate is ``logsigmoid(b) / normalizer``; a channel that keeps ``exp(-1 /
-    tau)`` of its memory a token needs ``logsigmoid(b) = -normalizer / tau``, i.e.
-    ``b = -log(expm1(normalizer / tau))``.
-    """
-    lo, hi = TIMESCALES
-    tau = torch.logspace(math.log10(lo), math.log10(hi), cfg.head_k_dim, dtype=torch.float64)
-    b = -torch.log(torch.expm1(cfg.gate_logit_normalizer / tau))
-    return b.repeat(cfg.n_heads).float()
 
 
 @torch.no_grad()
@@ -105,7 +63,6 @@ def build_student(teacher: HylaLM, layers: str, kv_heads: int | None = None) -> 
         True
     """
     cfg = student_config(teacher.cfg, layers, kv_heads)
-    tc = teacher.cfg
     p = next(teacher.parameters())
     student = HylaLM(cfg).to(device=p.device, dtype=p.dtype)
     student.embed.weight.copy_(teacher.embed.weight)
@@ -116,22 +73,12 @@ def build_student(teacher: HylaLM, layers: str, kv_heads: int | None = None) -> 
         s_block.mixer_norm.load_state_dict(t_block.mixer_norm.state_dict())
         s_block.mlp_norm.load_state_dict(t_block.mlp_norm.state_dict())
         s_block.mlp.load_state_dict(t_block.mlp.state_dict())
-        t, s = t_block.mixer, s_block.mixer
-        s.q_proj.weight.copy_(t.q_proj.weight)
-        s.o_proj.weight.copy_(t.o_proj.weight)
-        if s_block.kind == "attention":
-            s.k_proj.weight.copy_(merge_kv_heads(t.k_proj.weight, tc.n_kv_heads, cfg.n_kv_heads))
-            s.v_proj.weight.copy_(merge_kv_heads(t.v_proj.weight, tc.n_kv_heads, cfg.n_kv_heads))
-        else:
-            s.k_proj.weight.copy_(expand_kv_heads(t.k_proj.weight, tc.n_kv_heads, cfg.n_heads))
-            s.v_proj.weight.copy_(expand_kv_heads(t.v_proj.weight, tc.n_kv_heads, cfg.n_heads))
-            s.gk_proj[1].weight.zero_()
-            s.gk_proj[1].bias.copy_(slow_gate_bias(cfg))
+        s_block.mixer.init_from_attention(t_block.mixer)
     return student
 
 
 def transfer_layers(teacher_cfg: HylaConfig, student_cfg: HylaConfig) -> list[int]:
-    """Indices of the student layers stage 1 trains: every G, and A with compressed KV heads
-    (an A layer with the teacher's KV heads is an exact copy: nothing to learn)."""
-    compressed = student_cfg.n_kv_heads != teacher_cfg.n_kv_heads
-    return [i for i, c in enumerate(student_cfg.layers) if c == "G" or compressed]
+    """Indices of the student layers stage 1 trains: all but those its mixer copies exactly
+    from the teacher's attention (an A layer with the teacher's KV heads)."""
+    return [i for i, c in enumerate(student_cfg.layers)
+            if not MIXERS[c].copies_attention(teacher_cfg, student_cfg)]

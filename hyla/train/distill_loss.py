@@ -17,47 +17,25 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-from hyla.model import HylaLM
-from hyla.ops.attention import check_cu_seqlens
+from hyla.model import Context, HylaLM
 from hyla.ops.streamkl import attention_kl
 
 
 def positions_for(input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
     """Rotary positions [T] for a [B, T] batch, restarting at packed-document boundaries
     (as :meth:`HylaLM.forward` does)."""
-    B, T = input_ids.shape
-    positions = torch.arange(T, device=input_ids.device)
-    if cu_seqlens is None:
-        return positions
-    offsets = check_cu_seqlens(cu_seqlens, B, T)
-    starts = torch.tensor(offsets[:-1], device=input_ids.device)
-    lengths = torch.tensor([e - s for s, e in zip(offsets[:-1], offsets[1:], strict=True)],
-                           device=input_ids.device)
-    return positions - starts.repeat_interleave(lengths)
+    return Context.train(input_ids, cu_seqlens).positions
 
 
 def final_hidden(model: HylaLM, input_ids: torch.Tensor,
                  cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """The normed last hidden state [B, T, d_model] that ``model.lm_head`` maps to logits."""
-    positions = positions_for(input_ids, cu_seqlens)
-    if cu_seqlens is not None:
-        cu_seqlens = cu_seqlens.to(input_ids.device)
-    x = model.embed(input_ids)
-    for block in model.blocks:
-        if model.activation_checkpointing and torch.is_grad_enabled():
-            x = checkpoint(block, x, positions, cu_seqlens,
-                                                  use_reentrant=False)
-        else:
-            x = block(x, positions, cu_seqlens)
-    return model.norm(x)
+    return model(input_ids, cu_seqlens=cu_seqlens, hidden=True)
 
 
 def _mixer(layer, h, positions, cu_seqlens):
-    if hasattr(layer, "gk_proj"):  # GLA: no positions
-        return layer(h, cu_seqlens=cu_seqlens)
-    return layer(h, positions, cu_seqlens=cu_seqlens)
+    return layer(h, Context("train", positions, cu_seqlens))
 
 
 def layer_transfer_loss(teacher_layer, student_layer, h: torch.Tensor, positions: torch.Tensor,
@@ -66,8 +44,9 @@ def layer_transfer_loss(teacher_layer, student_layer, h: torch.Tensor, positions
     """Stage-1 loss of one student mixer against the teacher's attention on input ``h``.
 
     Args:
-        teacher_layer: the teacher's AttentionLayer (frozen).
-        student_layer: a GLALayer or an AttentionLayer (possibly fewer KV heads).
+        teacher_layer: the teacher's attention mixer (frozen).
+        student_layer: any mixer; one with an attention distribution of its own (softmax
+            attention, possibly fewer KV heads) is also matched on it.
         h: [B, T, d_model] the teacher's normed hidden state entering this layer.
         positions: [T] rotary positions; cu_seqlens: packed documents (B == 1).
         kl_weight: weight of the attention KL (attention students only).
@@ -78,25 +57,26 @@ def layer_transfer_loss(teacher_layer, student_layer, h: torch.Tensor, positions
     Example:
         >>> import dataclasses
         >>> from hyla.model import preset
-        >>> from hyla.model.layers import AttentionLayer
-        >>> a = AttentionLayer(dataclasses.replace(preset("debug"), layers="A"))
+        >>> from hyla.model.mixers import AttentionMixer
+        >>> a = AttentionMixer(dataclasses.replace(preset("debug"), layers="A"))
         >>> loss, parts = layer_transfer_loss(a, a, torch.randn(1, 8, 64), torch.arange(8))
         >>> loss.item(), parts["kl"]
         (0.0, 0.0)
     """
+    ctx = Context("train", positions, cu_seqlens)
     if y_teacher is None:
         with torch.no_grad():
-            y_teacher = _mixer(teacher_layer, h, positions, cu_seqlens)
-    y_s = _mixer(student_layer, h, positions, cu_seqlens)
+            y_teacher = teacher_layer(h, ctx)
+    y_s = student_layer(h, ctx)
     yt = y_teacher.float()
     mse = (y_s.float() - yt).pow(2).mean() / yt.pow(2).mean().clamp_min(1e-12)
     parts = {"mse": mse.item()}
     loss = mse
-    if not hasattr(student_layer, "gk_proj"):
+    student_qk = student_layer.attention_qk(h, ctx)
+    if student_qk is not None:
         with torch.no_grad():
-            q_t, k_t, _ = teacher_layer._qkv(h, positions)
-        q_s, k_s, _ = student_layer._qkv(h, positions)
-        kl = attention_kl(q_t, k_t, q_s, k_s, cu_seqlens=cu_seqlens)
+            q_t, k_t = teacher_layer.attention_qk(h, ctx)
+        kl = attention_kl(q_t, k_t, *student_qk, cu_seqlens=cu_seqlens)
         parts["kl"] = kl.item()
         loss = loss + kl_weight * kl
     return loss, parts

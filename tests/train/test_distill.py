@@ -12,9 +12,10 @@ from hyla.cli import main
 from hyla.model import HylaLM, preset
 from hyla.model.checkpoint import load_checkpoint, save_checkpoint
 from hyla.model.generate import generate
+from hyla.model.mixers.base import merge_kv_heads
 from hyla.train.distill import Distiller, load_teacher
 from hyla.train.distill_config import DistillConfig
-from hyla.train.distill_init import build_student, merge_kv_heads, student_config
+from hyla.train.distill_init import build_student, student_config
 from hyla.train.distill_loss import (
     chunked_vocab_kl,
     direct_vocab_kl,
@@ -85,7 +86,7 @@ def test_gla_layer_initialisation():
     k = s.k_proj.weight.view(4, 16, 64)
     tk = t.k_proj.weight.view(2, 16, 64)
     assert torch.equal(k[1], tk[0]) and torch.equal(k[2], tk[1])
-    gk = s._qkvg(torch.randn(1, 3, 64))[3]
+    gk = s.log_forget_gate(torch.randn(1, 3, 64))
     decay = -1 / gk  # tokens over which a channel forgets by a factor e
     assert 15 < decay.min() and decay.max() < 4200
     for name in ("embed.weight", "lm_head.weight", "blocks.0.mlp.up_proj.weight",

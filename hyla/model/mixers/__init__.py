@@ -4,6 +4,7 @@
 A new kind is one module that subclasses :class:`Mixer` and registers its letter.
 """
 
+from hyla.model.mixers.attention import AttentionMixer  # noqa: I001  (G before A, as in docs)
 from hyla.model.mixers.base import (
     MIXERS,
     Mixer,
@@ -14,7 +15,6 @@ from hyla.model.mixers.base import (
     register_mixer,
 )
 from hyla.model.mixers.gla import GLAMixer
-from hyla.model.mixers.attention import AttentionMixer  # noqa: I001  (G before A, as in docs)
 
 __all__ = ["MIXERS", "AttentionMixer", "GLAMixer", "Mixer", "StateSpec", "TensorSpec",
            "layer_specs", "mixer_of_kind", "register_mixer"]

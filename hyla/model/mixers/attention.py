@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyla.model.layers import apply_rotary
-from hyla.model.mixers.base import Mixer, StateSpec, TensorSpec, register_mixer
+from hyla.model.mixers.base import Mixer, StateSpec, TensorSpec, merge_kv_heads, register_mixer
 from hyla.ops.attention import attention, attention_with_cache
 
 
@@ -42,6 +42,27 @@ class AttentionMixer(Mixer):
     def state_spec(cls, cfg) -> StateSpec:
         row = (cfg.n_kv_heads, cfg.head_dim)
         return StateSpec(cls.kind, per_token=(TensorSpec("keys", row), TensorSpec("values", row)))
+
+    @classmethod
+    def pair_flops(cls, cfg) -> float:
+        return 4 * cfg.n_heads * cfg.head_dim                          # QK^T and PV
+
+    @classmethod
+    def copies_attention(cls, teacher_cfg, cfg) -> bool:
+        return cfg.n_kv_heads == teacher_cfg.n_kv_heads
+
+    @torch.no_grad()
+    def init_from_attention(self, teacher: nn.Module) -> None:
+        """Copy the teacher's attention. With fewer KV heads (KV-cache compression) each KV
+        head is the mean of the group of teacher KV heads it replaces: query head ``h`` read
+        teacher KV head ``h // (H / H_kv)``, which falls in group ``h // (H / H_s)``, so every
+        query keeps reading a merge of the head it used to read. Rotary is linear and the
+        same for every head, so the merged rotated key is the rotated merged key."""
+        heads, new = teacher.cfg.n_kv_heads, self.cfg.n_kv_heads
+        self.q_proj.weight.copy_(teacher.q_proj.weight)
+        self.o_proj.weight.copy_(teacher.o_proj.weight)
+        self.k_proj.weight.copy_(merge_kv_heads(teacher.k_proj.weight, heads, new))
+        self.v_proj.weight.copy_(merge_kv_heads(teacher.v_proj.weight, heads, new))
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         B, T, _ = x.shape

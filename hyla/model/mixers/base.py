@@ -105,6 +105,18 @@ class Mixer(nn.Module):
         """The per-sequence state of one layer of this kind under ``cfg``."""
         raise NotImplementedError
 
+    @classmethod
+    def pair_flops(cls, cfg) -> float:
+        """FLOPs per (query, key) pair of one layer: what grows with context (softmax
+        attention's QK^T and PV); 0 for mixers with a fixed-size state."""
+        return 0.0
+
+    @classmethod
+    def token_flops(cls, cfg) -> float:
+        """FLOPs per token of one layer's state work besides its projections (the
+        recurrent update and readout of a linear mixer)."""
+        return 0.0
+
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """x [B, T, d_model] (the normed block input) -> [B, T, d_model].
 
@@ -115,10 +127,47 @@ class Mixer(nn.Module):
         """
         raise NotImplementedError
 
+    @classmethod
+    def copies_attention(cls, teacher_cfg, cfg) -> bool:
+        """Whether :meth:`init_from_attention` makes this layer compute exactly what the
+        teacher's attention layer did (so distillation has nothing to teach it)."""
+        return False
+
+    @torch.no_grad()
+    def init_from_attention(self, teacher: nn.Module) -> None:
+        """Take what fits from a softmax-attention teacher layer at the same place (its
+        ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, maybe with more KV heads), to start
+        distillation close to it. The default keeps the fresh initialisation."""
+
     def attention_qk(self, x: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The (rotated) queries and keys [B, T, H, D] of a softmax-attention mixer, whose
         attention distribution distillation transfers; None for mixers without one."""
         return None
+
+
+def merge_kv_heads(weight: torch.Tensor, heads: int, new_heads: int) -> torch.Tensor:
+    """[heads * D, d] projection rows -> [new_heads * D, d], each new head the mean of a group.
+
+    Example:
+        >>> w = torch.arange(8.0)[:, None]          # 4 heads of D = 2
+        >>> merge_kv_heads(w, 4, 2)[:, 0].tolist()
+        [1.0, 2.0, 5.0, 6.0]
+    """
+    D = weight.shape[0] // heads
+    return weight.view(new_heads, heads // new_heads, D, -1).mean(1).reshape(new_heads * D, -1)
+
+
+def expand_kv_heads(weight: torch.Tensor, heads: int, new_heads: int) -> torch.Tensor:
+    """[heads * D, d] -> [new_heads * D, d], head ``j`` repeated for its ``new_heads / heads``
+    query heads (GQA order: query head ``h`` reads KV head ``h // (new_heads / heads)``).
+
+    Example:
+        >>> expand_kv_heads(torch.arange(4.0)[:, None], 2, 4)[:, 0].tolist()
+        [0.0, 1.0, 0.0, 1.0, 2.0, 3.0, 2.0, 3.0]
+    """
+    D = weight.shape[0] // heads
+    return weight.view(heads, D, -1).repeat_interleave(new_heads // heads, 0).reshape(
+        new_heads * D, -1)
 
 
 MIXERS: dict[str, type[Mixer]] = {}

@@ -6,13 +6,25 @@ context length.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hyla.model.layers import RMSNorm
-from hyla.model.mixers.base import Mixer, StateSpec, TensorSpec, register_mixer
+from hyla.model.mixers.base import (
+    Mixer,
+    StateSpec,
+    TensorSpec,
+    expand_kv_heads,
+    register_mixer,
+)
 from hyla.ops.gla import chunk_gla, gla_decode_step
+
+# Tokens: the fastest and slowest forgetting of the gates a layer starts from when it is
+# initialised from an attention layer (distillation).
+TIMESCALES = (16.0, 4096.0)
 
 
 @register_mixer("G")
@@ -49,6 +61,32 @@ class GLAMixer(Mixer):
         shape = (cfg.n_heads, cfg.head_k_dim, cfg.head_v_dim)
         return StateSpec(cls.kind, fixed=(TensorSpec("state", shape, torch.float32),))
 
+    @classmethod
+    def token_flops(cls, cfg) -> float:
+        return 4 * cfg.n_heads * cfg.head_k_dim * cfg.head_v_dim     # update + readout
+
+    @torch.no_grad()
+    def init_from_attention(self, teacher: nn.Module) -> None:
+        """q, k, v and o from the teacher's attention (needs ``expand_k = expand_v = 1``, so
+        each head has the teacher's head dim; KV heads repeated for every query head). GLA
+        uses no positions: the rotary part of the teacher is what distillation must make up
+        for. The forget gates start input-independent (``gk_proj.1.weight = 0``) with
+        :func:`slow_gate_bias`: slow forgetting, close to the long memory of the attention
+        it replaces. ``g_proj`` and the output norm keep their fresh initialisation."""
+        heads, H = teacher.cfg.n_kv_heads, self.cfg.n_heads
+        self.q_proj.weight.copy_(teacher.q_proj.weight)
+        self.o_proj.weight.copy_(teacher.o_proj.weight)
+        self.k_proj.weight.copy_(expand_kv_heads(teacher.k_proj.weight, heads, H))
+        self.v_proj.weight.copy_(expand_kv_heads(teacher.v_proj.weight, heads, H))
+        self.gk_proj[1].weight.zero_()
+        self.gk_proj[1].bias.copy_(slow_gate_bias(self.cfg))
+
+    def log_forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d_model] -> log forget gates [B, T, H, K] float32, each in (-inf, 0)."""
+        B, T, _ = x.shape
+        gk = F.logsigmoid(self.gk_proj(x).float()) / self.cfg.gate_logit_normalizer
+        return gk.view(B, T, self.cfg.n_heads, self.cfg.head_k_dim)
+
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         B, T, _ = x.shape
         c = self.cfg
@@ -56,7 +94,7 @@ class GLAMixer(Mixer):
         q = self.q_proj(x).view(B, T, H, K)
         k = self.k_proj(x).view(B, T, H, K)
         v = self.v_proj(x).view(B, T, H, V)
-        gk = (F.logsigmoid(self.gk_proj(x).float()) / c.gate_logit_normalizer).view(B, T, H, K)
+        gk = self.log_forget_gate(x)
         if ctx.mode == "train":
             o, _ = chunk_gla(q, k, v, gk, cu_seqlens=ctx.cu_seqlens, chunk_size=c.chunk_size)
         else:
@@ -70,3 +108,22 @@ class GLAMixer(Mixer):
             ctx.store_fixed(buf, state)
         o = self.g_norm(o) * F.silu(self.g_proj(x).view_as(o))
         return self.o_proj(o.reshape(B, T, c.value_dim))
+
+
+def slow_gate_bias(cfg) -> torch.Tensor:
+    """Gate biases [key_dim]: per head, key channels forget over 16 ... 4,096 tokens,
+    log-uniformly.
+
+    The log forget gate is ``logsigmoid(b) / normalizer``; a channel that keeps ``exp(-1 /
+    tau)`` of its memory a token needs ``logsigmoid(b) = -normalizer / tau``, i.e.
+    ``b = -log(expm1(normalizer / tau))``.
+
+    Example:
+        >>> from hyla.model.config import preset
+        >>> slow_gate_bias(preset("debug")).shape
+        torch.Size([32])
+    """
+    lo, hi = TIMESCALES
+    tau = torch.logspace(math.log10(lo), math.log10(hi), cfg.head_k_dim, dtype=torch.float64)
+    b = -torch.log(torch.expm1(cfg.gate_logit_normalizer / tau))
+    return b.repeat(cfg.n_heads).float()
