@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from hyla.model.model import HylaLM
+from hyla.model.sampler import sample_token
 
 
 def generate(model: HylaLM, prompt_ids: list[int], max_new_tokens: int, *,
@@ -13,7 +14,8 @@ def generate(model: HylaLM, prompt_ids: list[int], max_new_tokens: int, *,
     """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens.
 
     ``temperature == 0`` is greedy; otherwise tokens are sampled from softmax(logits /
-    temperature), restricted to the ``top_k`` most likely when given. ``seed`` makes sampling
+    temperature), restricted to the ``top_k`` most likely when given: the serving engine's
+    sampler (:func:`hyla.model.sampler.sample_token`). ``seed`` makes sampling
     reproducible. Generation stops early at the first token in ``stop_ids``.
 
     Returns:
@@ -44,7 +46,7 @@ def generate(model: HylaLM, prompt_ids: list[int], max_new_tokens: int, *,
         return out
     logits = model.prefill(torch.tensor(prompt_ids, device=device), state)[-1]
     while True:
-        token = _pick(logits, temperature, top_k, gen)
+        token = sample_token(logits, temperature, top_k or 0, 1.0, gen)
         if token in stop:
             break
         out.append(token)
@@ -52,15 +54,3 @@ def generate(model: HylaLM, prompt_ids: list[int], max_new_tokens: int, *,
             break
         logits = model.decode(torch.tensor([token], device=device), [state])[0]
     return out
-
-
-def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,
-          gen: torch.Generator | None) -> int:
-    logits = logits.float()
-    if temperature == 0:
-        return int(logits.argmax())
-    if top_k is not None and top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=gen))

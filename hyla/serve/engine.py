@@ -6,16 +6,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from hyla.model.model import HylaLM
+from hyla.model.sampler import TokenLogprob, sample
 from hyla.serve.detokenizer import IncrementalText
 from hyla.serve.runner import Runner
-from hyla.serve.sampler import TokenLogprob, sample
 from hyla.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from hyla.serve.sequence import SamplingParams, Sequence
 
@@ -39,6 +41,9 @@ class EngineConfig:
     snapshot_interval: int = 256
     decode_widths: tuple[int, ...] | None = None
     compile: bool = False
+    # logits [B, V], per-row params and generators -> (tokens, logprobs); the same sampler
+    # as hyla.model.generate by default
+    sampler: Callable = sample
 
 
 @dataclass
@@ -54,6 +59,7 @@ class StepOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None        # this request failed (and was aborted); the others go on
+    state: object | None = None     # a prefill-only request's SequenceState after its prompt
 
 
 class Engine:
@@ -76,7 +82,6 @@ class Engine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = c = config or EngineConfig()
-        cfg = model.cfg
         # From the mixers' state specs: growing entries (attention keys/values) live in
         # paged KV blocks, fixed ones (GLA matrices) in slots that prefix-cache snapshots copy.
         has_attn = any(spec.per_token for spec in model.state_specs)
@@ -101,27 +106,47 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._text: dict[str, IncrementalText] = {}
         self._generators: dict[str, torch.Generator] = {}
+        self._prefill_only: dict[str, SamplingParams] = {}    # rid -> the caller's params
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                       "decode_steps": 0, "decode_time_s": 0.0, "prefill_time_s": 0.0,
                       "step_time_s": 0.0}
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, arrival_time: float | None = None
-                    ) -> Sequence:
-        """Queue a request; raises ValueError (naming what is wrong) if it cannot run."""
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    *, prefill_only: bool = False) -> Sequence:
+        """Queue a request; raises ValueError (naming what is wrong) if it cannot run, and
+        then queues nothing.
+
+        ``prefill_only``: prefill the prompt and sample the first token (with ``params``
+        and its seed, as any request), then hand the state over and stop: the step's
+        :class:`StepOutput` for it is ``finished`` and holds the first token and ``state``,
+        the :class:`~hyla.model.state.SequenceState` after the prompt
+        (:meth:`Runner.extract`), which another engine's :meth:`add_prefilled` continues.
+        Its slot and blocks are free once the step returns. Only the prompt must fit.
+
+        Example:
+            >>> from hyla.model import HylaLM, preset
+            >>> eng = Engine(HylaLM(preset("debug")).eval())
+            >>> _ = eng.add_request([1, 2, 3], SamplingParams(temperature=0), prefill_only=True)
+            >>> (o,) = eng.step()
+            >>> o.finished, len(o.token_ids), o.state.num_tokens, eng.has_unfinished()
+            (True, 1, 3, False)
+        """
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._seqs:
             raise ValueError(f"request_id {rid!r} is already running")
-        self.check_request(prompt_ids, params)
+        self.check_request(prompt_ids, params, prefill_only=prefill_only)
         seq = Sequence(rid, list(prompt_ids), params,
                        arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
                        eos_token_id=self.eos_token_id)
+        if prefill_only:
+            # only the first token is produced here; the scheduler reserves for that alone
+            seq.params = dataclasses.replace(params, max_tokens=1)
+            self._prefill_only[rid] = params
         self.scheduler.add(seq)
         self._seqs[rid] = seq
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer (this engine is token-only)")
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and not prefill_only:
             self._text[rid] = IncrementalText(self.tokenizer, params.stop)
         if params.seed is not None and not params.greedy:
             g = torch.Generator(device=self.runner.device)
@@ -152,14 +177,18 @@ class Engine:
             self._forget(seq.request_id)
         return seq
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming what is wrong if the request could never run."""
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, *,
+                      prefill_only: bool = False) -> None:
+        """Raise ValueError naming what is wrong if the request could never run
+        (``prefill_only``: as :meth:`add_request`'s, which only produces a first token)."""
         if not prompt_ids:
             raise ValueError("the prompt must hold at least one token")
         vocab = self.model.cfg.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        self.scheduler.check(len(prompt_ids), params.max_tokens)
+        self.scheduler.check(len(prompt_ids), 1 if prefill_only else params.max_tokens)
+        if params.stop and self.tokenizer is None and not prefill_only:
+            raise ValueError("stop strings need a tokenizer (this engine is token-only)")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its slot and blocks; False if it is unknown/finished."""
@@ -190,8 +219,9 @@ class Engine:
         logits, seqs = self._execute(out)
         params = [s.params for s in seqs]
         gens = [self._generators.get(s.request_id) for s in seqs]
-        tokens, logps = sample(logits, params, gens) if seqs else ([], [])
+        tokens, logps = self.config.sampler(logits, params, gens) if seqs else ([], [])
         sampled = {s.request_id: t for s, t in zip(seqs, tokens, strict=True)}
+        states = self._take_states(seqs)
         finished = set(id(s) for s in self.scheduler.update(out, sampled))
         self.runner.copy_snapshots(out.snapshot_saves, save=True)
         now = time.perf_counter()
@@ -199,6 +229,9 @@ class Engine:
         for seq, token, lp in zip(seqs, tokens, logps, strict=True):
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            if seq.request_id in states:
+                results.append(self._handover(seq, token, lp, states[seq.request_id]))
+                continue
             try:
                 results.append(self._emit(seq, token, lp, id(seq) in finished))
             except Exception as e:  # noqa: BLE001 - one request's text failed, not the batch
@@ -264,7 +297,28 @@ class Engine:
                           seq.num_prompt_tokens, len(seq.output_ids),
                           error=f"{type(err).__name__}: {err}")
 
+    # -- prefill-only requests (disaggregated prefill) ----------------------------------
+    def _take_states(self, seqs: list[Sequence]) -> dict:
+        """The states of this step's prefill-only requests (all sampled their first token:
+        their prompts are done), taken before the scheduler frees their slots and blocks."""
+        if not self._prefill_only:
+            return {}
+        return {s.request_id: self.runner.extract(s.slot, s.num_prompt_tokens, s.block_table)
+                for s in seqs if s.request_id in self._prefill_only}
+
+    def _handover(self, seq: Sequence, token: int, lp: TokenLogprob | None,
+                  state) -> StepOutput:
+        """End a prefill-only request: its first token and state go out, nothing stays."""
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "length")
+        seq.params = self._prefill_only[seq.request_id]
+        self._forget(seq.request_id)
+        return StepOutput(seq.request_id, [token], "", True, seq.finish_reason,
+                          [lp] if lp is not None else [], seq.num_prompt_tokens, 1,
+                          state=state)
+
     def _forget(self, request_id: str) -> None:
+        self._prefill_only.pop(request_id, None)
         self._seqs.pop(request_id, None)
         self._text.pop(request_id, None)
         self._generators.pop(request_id, None)

@@ -78,15 +78,15 @@ class AttentionMixer(Mixer):
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         if ctx.mode == "decode":
-            return self._decode(x, ctx)
+            return self._attend_step(x, ctx)
         q, k, v = self._project(x, ctx.positions)
         if ctx.mode == "train":
             o = attention(q, k, v, causal=True, cu_seqlens=ctx.cu_seqlens)
         else:
-            o = self._prefill(q, k, v, ctx)
+            o = self._attend_chunks(q, k, v, ctx)
         return self.o_proj(o.reshape(*o.shape[:2], -1))
 
-    def _prefill(self, q, k, v, ctx) -> torch.Tensor:
+    def _attend_chunks(self, q, k, v, ctx) -> torch.Tensor:
         buf = ctx.buffers[self.layer_idx]
         ctx.append_rows(buf["keys"], k[0])
         ctx.append_rows(buf["values"], v[0])
@@ -103,7 +103,7 @@ class AttentionMixer(Mixer):
             s += n
         return torch.cat(outs, dim=1)
 
-    def _decode(self, x, ctx) -> torch.Tensor:
+    def _attend_step(self, x, ctx) -> torch.Tensor:
         buf = ctx.buffers[self.layer_idx]
         positions = ctx.positions
         q, k, v = self._project(x, positions[:, None])

@@ -1,0 +1,92 @@
+"""Turn logits into tokens: the one sampler of hyla, used by the serving engine (a batch,
+each row with its own parameters) and by :func:`hyla.model.generate` (one sequence).
+
+Parameters are read by attribute (``temperature``, ``top_k``, ``top_p``, ``logprobs``), so
+the serving layer's torch-free ``SamplingParams`` passes as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Temperatures below this are greedy: dividing logits by a (near-)zero temperature would
+# overflow to inf and turn the softmax into NaN (vLLM uses the same threshold).
+GREEDY_BELOW = 1e-5
+
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's log-probability and the ``top`` most likely alternatives."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) what top-k and nucleus (top-p) sampling exclude; logits [V].
+
+    Example:
+        >>> filter_logits(torch.tensor([3.0, 2.0, 1.0]), top_k=2, top_p=1.0)
+        tensor([3., 2., -inf])
+    """
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (always the first token).
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.clone()
+        logits[order[drop]] = float("-inf")
+    return logits
+
+
+def is_greedy(temperature: float) -> bool:
+    return temperature < GREEDY_BELOW
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                 generator: torch.Generator | None = None) -> int:
+    """One token from ``logits`` [V]: the argmax when greedy (temperature below
+    ``GREEDY_BELOW``), else a draw from softmax(filtered logits / temperature).
+
+    Example:
+        >>> sample_token(torch.tensor([0.0, 5.0, 1.0]), temperature=0)
+        1
+    """
+    if is_greedy(temperature):
+        return int(logits.argmax())
+    row = filter_logits(logits.float(), top_k, top_p) / temperature
+    return int(torch.multinomial(torch.softmax(row, dim=-1), 1, generator=generator))
+
+
+def sample(logits: torch.Tensor, params: list, generators: list[torch.Generator | None]
+           ) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Pick one token per row of ``logits`` [B, V] (fp32), row b with ``params[b]``.
+
+    Greedy rows take the argmax; the others sample with :func:`sample_token`, with the
+    row's generator when it has a seed. Log-probabilities (when ``logprobs`` is not None)
+    are of the model's distribution, before filtering.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> p = SimpleNamespace(temperature=0, top_k=0, top_p=1.0, logprobs=None)
+        >>> sample(torch.tensor([[0.0, 5.0]]), [p], [None])[0]
+        [1]
+    """
+    tokens = logits.argmax(dim=-1).tolist()
+    logps: list[TokenLogprob | None] = [None] * len(params)
+    for b, p in enumerate(params):
+        if not is_greedy(p.temperature):
+            tokens[b] = sample_token(logits[b], p.temperature, p.top_k, p.top_p, generators[b])
+        if p.logprobs is not None:
+            lp = torch.log_softmax(logits[b], dim=-1)
+            top = torch.topk(lp, p.logprobs) if p.logprobs else None
+            logps[b] = TokenLogprob(tokens[b], float(lp[tokens[b]]),
+                                    list(zip(top.indices.tolist(), top.values.tolist(),
+                                             strict=True)) if top is not None else [])
+    return tokens, logps
