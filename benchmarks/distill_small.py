@@ -96,7 +96,7 @@ def long_child(hf_dir: str, length: int, cap_gib: float, mode: str) -> None:
                                         stage1_seq_len=length, batch_size=1,
                                         optimizer="adamw", out=tempfile.mkdtemp()))
             start = time.perf_counter()
-            rec = d.stage1_step()
+            rec = d.train_step()  # stage 1: stage1_steps=1
             extra = {"loss": rec["loss"], "layers": rec["layers"]}
         else:
             from hyla.ops.streamkl import attention_kl

@@ -1,4 +1,5 @@
-"""Training: Muon (single-device and sharded), parameter routing, the trainer.
+"""Training: one loop (``loop.py``) with pluggable objectives (language modelling,
+distillation stages), Muon (single-device and sharded), parameter routing, checkpoints.
 
 Example:
     >>> from hyla.model import HylaLM, preset

@@ -1,4 +1,5 @@
-"""Training checkpoints: written whole or not at all, the newest K kept, loaded with checks.
+"""Training checkpoints: written whole or not at all, the newest K kept, loaded with checks
+(one loader for ``hyla train`` and ``hyla distill`` runs).
 
 ``ckpt-<step>/`` is first written as a hidden temporary directory and then renamed, so a crash
 at any moment leaves either the complete new checkpoint or none of it, and the previous one
@@ -22,7 +23,11 @@ STATE = "train_state.pt"
 
 
 def save_train_checkpoint(trainer, target: pathlib.Path) -> pathlib.Path:
-    """Write model, tokenizer and training state to ``target`` atomically; prune old ones."""
+    """Write model, tokenizer and training state to ``target`` atomically; prune old ones.
+
+    ``trainer`` is a :class:`~hyla.train.loop.Loop` (or anything with its ``model``,
+    ``tokenizer``, ``step``, ``cfg``, ``optimizers``, ``schedulers`` and ``blocks``).
+    """
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     save_checkpoint(trainer.model, tmp, trainer.tokenizer)
@@ -46,34 +51,78 @@ def save_train_checkpoint(trainer, target: pathlib.Path) -> pathlib.Path:
     return target
 
 
-def load_train_state(run_dir: pathlib.Path, cfg: TrainConfig | None = None) -> dict:
-    """The newest complete checkpoint of a run, as a dict ready for the Trainer.
+# Settings a resumed run must share with its checkpoint (or leave at their defaults).
+RESUME_FIXED = ("preset", "seq_len", "batch_size", "grad_accum", "optimizer", "seed",
+                "vocab_size", "data")
 
-    ``cfg``, when given, must describe the same model and data as the run, or leave those
-    fields at their defaults; otherwise a ValueError names the differing fields. A non-default
-    ``steps`` replaces the run's.
+
+def load_train_state(run_dir: pathlib.Path, cfg=None, *, config_type: type = TrainConfig,
+                     command: str = "hyla train") -> dict:
+    """The newest complete checkpoint of a run (``hyla train`` or ``hyla distill``), as a dict:
+    ``step``, ``cfg`` (a ``config_type``), ``model`` (weights), ``optimizers``,
+    ``schedulers``, ``data_position``, ``rng``.
+
+    ``cfg``, when given, must describe the same model and data as the run (the
+    :data:`RESUME_FIXED` fields), or leave those fields at their defaults; otherwise a
+    ValueError names the differing fields. A non-default ``steps`` replaces the run's.
+    ``command`` names the command that wrote the run, for the error messages.
+
+    Example:
+        >>> import tempfile
+        >>> load_train_state(tempfile.mkdtemp())
+        Traceback (most recent call last):
+        ...
+        ValueError: ... has no complete ckpt-<step> directory to resume from: ...
     """
     from safetensors.torch import load_file
 
+    run_dir = pathlib.Path(run_dir)
     ckpt = latest_checkpoint(run_dir)
     if ckpt == run_dir or not (ckpt / STATE).is_file():
         raise ValueError(f"{run_dir} has no complete ckpt-<step> directory to resume from: "
-                         f"expected the --out directory of an earlier hyla train")
+                         f"expected the --out directory of an earlier {command}")
     try:
         state = torch.load(ckpt / STATE, weights_only=True)
         state["model"] = load_file(str(ckpt / "model.safetensors"))
+        saved = config_type(**state["cfg"])
     except Exception as e:
-        raise ValueError(f"{ckpt} is corrupt ({e}): resume from an earlier checkpoint") from e
-    saved = TrainConfig(**state["cfg"])
+        raise ValueError(f"{ckpt} is corrupt or not a {command} checkpoint ({e}): resume from "
+                         f"an earlier checkpoint") from e
     if cfg is not None:
-        fixed = ("preset", "seq_len", "batch_size", "grad_accum", "optimizer", "seed",
-                 "vocab_size", "data")
-        diff = [f for f in fixed if getattr(cfg, f) != getattr(saved, f)
-                and getattr(cfg, f) != getattr(TrainConfig(), f)]
+        default = config_type()
+        diff = [f for f in RESUME_FIXED if hasattr(cfg, f) and getattr(cfg, f) != getattr(saved, f)
+                and getattr(cfg, f) != getattr(default, f)]
         if diff:
             raise ValueError(f"{ckpt} was trained with a different {', '.join(diff)}: resume "
                              f"with the run's own settings or start a new --out")
-        if cfg.steps != TrainConfig().steps:  # --steps given: train further (or stop sooner)
-            saved = dataclasses.replace(saved, steps=cfg.steps)
+        if getattr(cfg, "steps", None) not in (None, getattr(default, "steps", None)):
+            saved = dataclasses.replace(saved, steps=cfg.steps)  # train further or stop sooner
     state["cfg"] = saved
     return state
+
+
+def restore_weights(model: torch.nn.Module, state: dict, what: str) -> None:
+    """Load a checkpoint's weights into ``model``; ValueError ``"<what>"`` when they do not fit.
+
+    A tied output head is stored once, as the embedding, so ``lm_head.weight`` may be missing.
+
+    Example:
+        >>> from hyla.model import HylaLM, preset
+        >>> model = HylaLM(preset("debug"))
+        >>> restore_weights(model, {"model": model.state_dict()}, "checkpoint does not match")
+        >>> restore_weights(model, {"model": {}}, "checkpoint does not match")
+        Traceback (most recent call last):
+        ...
+        ValueError: checkpoint does not match
+    """
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise ValueError(what)
+
+
+def restore_optimizers(optimizers: list, schedulers: list, state: dict) -> None:
+    """Load a checkpoint's optimizer and LR-schedule states (same number and order)."""
+    for opt, sd in zip(optimizers, state["optimizers"], strict=True):
+        opt.load_state_dict(sd)
+    for sch, sd in zip(schedulers, state["schedulers"], strict=True):
+        sch.load_state_dict(sd)

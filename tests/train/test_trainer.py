@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from hyla.model.checkpoint import load_checkpoint
+from hyla.train.batches import stack_blocks
 from hyla.train.config import TrainConfig
-from hyla.train.trainer import Trainer, stack_blocks
+from hyla.train.trainer import Trainer
 
 
 def tiny(out, **kw) -> TrainConfig:

@@ -1,0 +1,111 @@
+"""The two objectives of ``hyla distill`` (see :mod:`hyla.train.distill`).
+
+- :class:`AttentionTransfer` (stage 1): each student layer that differs from the teacher
+  reproduces that teacher layer on the teacher's own hidden states; the layers are trained
+  independently (each backward reaches one layer, each layer's gradient is clipped alone).
+- :class:`VocabularyKL` (stage 2): KL(teacher || student) over the vocabulary, in token
+  chunks, plus the next-token cross-entropy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyla.model import Context, HylaLM
+from hyla.train.distill_loss import chunked_vocab_kl, final_hidden, layer_transfer_loss
+from hyla.train.objectives import Batch, LossObjective
+
+
+class AttentionTransfer:
+    """Stage 1: per-layer attention transfer from a frozen teacher.
+
+    The teacher's blocks run once over the batch; at every layer in ``transfer`` the student's
+    mixer is scored against the teacher's (normalised output MSE, plus StreamKL on the
+    attention distributions for compressed attention layers) and backpropagated at once, so
+    only one layer's graph lives at a time and long sequences fit.
+
+    Args:
+        teacher: the all-attention HylaLM (frozen).
+        student: the HylaLM whose ``transfer`` layers train.
+        transfer: indices of the layers to train.
+        kl_weight: weight of the attention KL (compressed attention layers).
+
+    Example:
+        >>> import dataclasses
+        >>> from hyla.model import preset
+        >>> from hyla.train.distill_init import build_student
+        >>> cfg = dataclasses.replace(preset("debug"), layers="AA")
+        >>> teacher = HylaLM(cfg).requires_grad_(False)
+        >>> objective = AttentionTransfer(teacher, build_student(teacher, "GA"), [0])
+        >>> ids = torch.randint(0, 256, (1, 16))
+        >>> sorted(objective.backward((ids, ids, torch.tensor([0, 16])))["layers"]["0"])
+        ['loss', 'mse']
+    """
+
+    def __init__(self, teacher: HylaLM, student: HylaLM, transfer: list[int], *,
+                 kl_weight: float = 1.0):
+        self.teacher, self.student, self.kl_weight = teacher, student, kl_weight
+        self.transfer = list(transfer)
+
+    def backward(self, batch: Batch, accum: int = 1) -> dict:
+        """Backpropagate every transferred layer's loss; metrics: the mean layer loss and each
+        layer's parts (``{"loss", "layers": {"<i>": {"loss", "mse"[, "kl"]}}}``)."""
+        if accum != 1:
+            raise ValueError(f"attention transfer takes one micro-batch a step, got accum={accum}")
+        ids, _, cu = batch
+        ctx = Context.train(ids, cu)
+        student = self.student.blocks
+        layers = {}
+        with torch.no_grad():
+            x = self.teacher.embed(ids)
+        for i, t_block in enumerate(self.teacher.blocks):
+            with torch.no_grad():
+                h = t_block.mixer_norm(x)
+                y_t = t_block.mixer(h, ctx)
+            if i in self.transfer:
+                loss, parts = layer_transfer_loss(t_block.mixer, student[i].mixer, h,
+                                                  ctx.positions, ctx.cu_seqlens,
+                                                  kl_weight=self.kl_weight, y_teacher=y_t)
+                loss.backward()
+                layers[str(i)] = {"loss": loss.item(), **parts}
+            with torch.no_grad():
+                x = x + y_t
+                x = x + t_block.mlp(t_block.mlp_norm(x))
+        return {"loss": sum(v["loss"] for v in layers.values()) / len(layers), "layers": layers}
+
+    def clip_groups(self) -> list[list[nn.Parameter]]:
+        # one group a layer: the layers stay independent
+        return [list(self.student.blocks[i].mixer.parameters()) for i in self.transfer]
+
+
+class VocabularyKL(LossObjective):
+    """Stage 2: ``kl_weight * KL(teacher || student) + ce_weight * CE`` over the vocabulary,
+    ``chunk`` tokens at a time (:func:`~hyla.train.distill_loss.chunked_vocab_kl`).
+
+    Metrics: ``loss``, ``kl`` and ``ce``.
+
+    Example:
+        >>> from hyla.model import preset
+        >>> teacher = HylaLM(preset("debug")).requires_grad_(False)
+        >>> objective = VocabularyKL(HylaLM(preset("debug")), teacher, chunk=8)
+        >>> ids = torch.randint(0, 256, (1, 16))
+        >>> sorted(objective.backward((ids, ids, torch.tensor([0, 16]))))
+        ['ce', 'kl', 'loss']
+    """
+
+    def __init__(self, student: HylaLM, teacher: HylaLM, *, kl_weight: float = 1.0,
+                 ce_weight: float = 1.0, chunk: int = 1024, temperature: float = 1.0):
+        self.model, self.teacher = student, teacher
+        self.kw = {"kl_weight": kl_weight, "ce_weight": ce_weight, "chunk": chunk,
+                   "temperature": temperature}
+
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, dict]:
+        ids, labels, cu = batch
+        with torch.no_grad():
+            h_t = final_hidden(self.teacher, ids, cu)
+        h_s = final_hidden(self.model, ids, cu)
+        loss, kl, ce = chunked_vocab_kl(h_s.flatten(0, 1), self.model.lm_head.weight,
+                                        h_t.flatten(0, 1), self.teacher.lm_head.weight,
+                                        labels.flatten(), **self.kw)
+        return loss, {"kl": kl.item(), "ce": ce.item()}
