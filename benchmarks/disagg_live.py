@@ -36,8 +36,8 @@ import httpx
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hyla.disagg.cluster import ClusterSpec, free_port, launch  # noqa: E402
-from hyla.disagg.sim_workload import load_trace  # noqa: E402
+from hyla.disagg.live.cluster import ClusterSpec, free_port, launch  # noqa: E402
+from hyla.disagg.sim.workload import load_trace  # noqa: E402
 from hyla.perf import print_table, write_results  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "traces" / "azure_conv_2023.csv"

@@ -3,7 +3,7 @@ throughput of homogeneous PD and >= 1.2x that of naive heterogeneous offloading,
 inter-cluster egress well under the link; and the same comparison on the Azure conversation
 trace scaled to long context.
 
-Simulated (SimPy, :mod:`hyla.disagg.sim`), not measured: every figure follows from the
+Simulated (SimPy, :mod:`hyla.disagg.sim.model`), not measured: every figure follows from the
 roofline cost model and the assumptions listed in the JSON (``inputs``). Steps:
 
 1. the KV-throughput table (Gbps a prefill instance emits at 32K tokens);
@@ -31,11 +31,11 @@ import dataclasses
 import pathlib
 import time
 
-from hyla.disagg.kv_table import kv_table
-from hyla.disagg.sim import SimConfig
-from hyla.disagg.sim_hardware import InstanceProfile, published_1t_hybrid
-from hyla.disagg.sim_report import best_of, grid, simulate_one
-from hyla.disagg.sim_setups import (
+from hyla.disagg.sim.hardware import InstanceProfile, published_1t_hybrid
+from hyla.disagg.sim.kv_table import kv_table
+from hyla.disagg.sim.model import SimConfig
+from hyla.disagg.sim.report import best_of, grid, simulate_one
+from hyla.disagg.sim.setups import (
     PUBLISHED_INPUTS,
     calibrate_remote_mfu,
     compare,
@@ -43,7 +43,7 @@ from hyla.disagg.sim_setups import (
     with_rate_range,
     workload_maker,
 )
-from hyla.disagg.sim_workload import describe
+from hyla.disagg.sim.workload import describe
 from hyla.perf import RESULTS_DIR, print_table, write_results
 
 TRACE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_conv_2023.csv"
@@ -68,7 +68,9 @@ def study(label, make, grid_rates, thresholds, homo_splits, prfaas_splits, commo
         # grid PrfaaS a little above the calibrated naive capacity
         grid_rates = (grid_rates[0], 1.3 * calib["ratio"] * calib["homogeneous_capacity"])
     deps = published_deployments(remote_mfu=mfu)
-    g_p = grid(model, dataclasses.replace(deps["prfaas"], adapt=False), cfg,
+    prfaas = deps["prfaas"]
+    g_p = grid(model, dataclasses.replace(prfaas, policy=dataclasses.replace(prfaas.policy,
+                                                                             adapt=False)), cfg,
                make(grid_rates[1]), thresholds, prfaas_splits)
     bp = best_of(g_p)
     log(f"{label}: grid done in {time.time() - t0:.0f} s; homogeneous best split "

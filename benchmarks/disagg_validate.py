@@ -2,7 +2,7 @@
 output throughput and TTFT p50 at three load levels (target: within 20%).
 
 1. Measure the engine's step costs on this machine (debug preset, 1 torch thread, the
-   workers' engine settings) with :func:`hyla.disagg.sim_profile.measure_engine_profile`:
+   workers' engine settings) with :func:`hyla.disagg.sim.profile.measure_engine_profile`:
    a prefill step's fixed cost and per-token speed, a decode step by batch width.
 2. Start a live ``hyla cluster`` (1 prefill worker = the remote pool, 1 PD worker = the
    local pool, link throttled to ``--link-gbps``) and measure the serving path on the idle
@@ -47,12 +47,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from disagg_live import _request  # noqa: E402
 
-from hyla.disagg.cluster import ClusterSpec, free_port, launch  # noqa: E402
-from hyla.disagg.live_router import LIVE_QUEUE_MARGIN_S  # noqa: E402
-from hyla.disagg.router import RouterConfig  # noqa: E402
-from hyla.disagg.sim import Deployment, Sim, SimConfig  # noqa: E402
-from hyla.disagg.sim_hardware import InstanceProfile, spec_from_config  # noqa: E402
-from hyla.disagg.sim_workload import Request, describe, load_trace  # noqa: E402
+from hyla.disagg.live.cluster import ClusterSpec, free_port, launch  # noqa: E402
+from hyla.disagg.live.router import live_policy  # noqa: E402
+from hyla.disagg.sim.hardware import InstanceProfile, spec_from_config  # noqa: E402
+from hyla.disagg.sim.model import Deployment, Sim, SimConfig  # noqa: E402
+from hyla.disagg.sim.workload import Request, describe, load_trace  # noqa: E402
 from hyla.perf import print_table, write_results  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "traces" / "azure_conv_2023.csv"
@@ -64,7 +63,7 @@ LONG_PROBE_TOKENS = 16      # extra streamed tokens of the probes that price a t
 def measure_profile(preset_name: str, threads: int) -> dict:
     import torch
 
-    from hyla.disagg.sim_profile import measure_engine_profile
+    from hyla.disagg.sim.profile import measure_engine_profile
     from hyla.model import HylaLM
     from hyla.model.config import preset
 
@@ -159,7 +158,8 @@ def simulate(reqs, profile: dict, args, model, serving: dict | None = None) -> d
     prof = InstanceProfile(gpu="H20", gpus=1, measured=profile)
     dep = Deployment(name="live-topology", kind="prfaas", local=prof, local_instances=1,
                      local_prefill=0, colocated=True, remote=prof, remote_instances=1,
-                     threshold=args.threshold, adapt=True)
+                     # the live router's policy knobs (queues within 0.1 s are balanced)
+                     policy=live_policy(threshold=args.threshold, adapt=True))
     eng, sv = profile["engine"], serving or {}
     cfg = SimConfig(link_gbps=args.link_gbps, link_latency_s=sv.get("remote_extra_s", 0.0),
                     intra_gbps=1000.0, observe_s=0.5, max_num_seqs=args.max_num_seqs,
@@ -168,7 +168,6 @@ def simulate(reqs, profile: dict, args, model, serving: dict | None = None) -> d
                     # the PD worker's engine: enough blocks for max_num_seqs full sequences
                     kv_blocks=args.max_num_seqs * -(-(args.max_len + 64) // 16),
                     request_latency_s=sv.get("request_latency_s", 0.0),
-                    router=RouterConfig(queue_margin_s=LIVE_QUEUE_MARGIN_S),  # as the router's
                     host_cores=os.cpu_count() if serving else 0.0,
                     request_cpu_s=sv.get("request_cpu_s", 0.0),
                     token_cpu_s=sv.get("token_cpu_s", 0.0))

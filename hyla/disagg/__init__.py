@@ -1,20 +1,16 @@
 """Prefill/decode disaggregation (Prefill-as-a-Service): policy, live system, simulator.
 
-Policy (pure Python, no torch; the simulator and the live router share it):
-- :mod:`hyla.disagg.router`: which cluster prefills a request, and the threshold control.
+- :mod:`hyla.disagg.policy` (torch-free): the routing policy behind the
+  :class:`~hyla.disagg.policy.RoutingPolicy` protocol (which cluster prefills a request,
+  and which worker gets it), its one config type and the threshold control; the live
+  router and the simulator both build it with :func:`~hyla.disagg.policy.build_policy`.
+- :mod:`hyla.disagg.live` (separate OS processes, see ``hyla cluster``): the prefill and
+  decode workers, the state transfer over ZeroMQ, the OpenAI-compatible router and the
+  cluster launcher.
+- :mod:`hyla.disagg.sim` (SimPy): homogeneous PD, naive heterogeneous and PrfaaS
+  deployments, each instance a :class:`hyla.serve.scheduler.Scheduler` priced by a
+  hardware roofline or a measured profile; workloads, metrics and capacity searches.
 
-Live system (separate OS processes, see ``hyla cluster``):
-- :mod:`hyla.disagg.transfer`, :mod:`hyla.disagg.transfer_net`: a SequenceState shipped
-  layer by layer over ZeroMQ, with per-layer checksums and a model fingerprint;
-- :mod:`hyla.disagg.worker_prefill`, :mod:`hyla.disagg.worker_decode`: the two worker roles;
-- :mod:`hyla.disagg.live_router`: the OpenAI-compatible front door with ``GET /cluster``;
-- :mod:`hyla.disagg.cluster`: starts and supervises a router and both pools on one machine.
-
-Simulation:
-- :mod:`hyla.disagg.sim` (+ ``sim_hardware``, ``sim_workload``, ``sim_setups``,
-  ``sim_report``): SimPy model of homogeneous PD, naive heterogeneous and PrfaaS
-  deployments, driving one :class:`hyla.serve.scheduler.Scheduler` per instance;
-- :mod:`hyla.disagg.kv_table`: Gbps of state/KV a prefill instance emits.
-
-Importing this package imports no torch; the worker modules do.
+Importing this package, :mod:`hyla.disagg.policy` or the simulator imports no torch; the
+live workers do.
 """

@@ -130,7 +130,7 @@ def test_openai_client_through_the_router(cluster):
 @pytest.mark.parametrize("fault,reason", [
     ({"corrupt": True}, "checksum"),
     ({"fingerprint": "0000000000000000"}, "fingerprint"),
-    ({"drop_after_layer": 1}, "did not complete|stalled"),
+    ({"stall_after_chunks": 1}, "did not complete|stalled"),
 ])
 def test_bad_transfer_reruns_locally(cluster, fault, reason):
     import re
@@ -188,7 +188,7 @@ async def _load(base, kill_pid, kill_after, n=8, max_tokens=24):
 
 
 def test_prefill_worker_sigkilled_mid_request(cluster):
-    _fault(cluster, "prefill", {"layer_delay_s": 0.3})
+    _fault(cluster, "prefill", {"prefill_delay_s": 1.2})   # a slow prefill: killed mid-way
     victim = _workers(cluster, "prefill")[0]
     try:
         outcomes = asyncio.run(_load(cluster, victim["pid"], 0.8))

@@ -3,8 +3,8 @@ length."""
 
 import pytest
 
-from hyla.disagg.live_router import LiveRouter, LiveRouterConfig
-from hyla.disagg.prefix_index import PrefixIndex, chunk_chain
+from hyla.disagg.live.router import LiveRouter, LiveRouterConfig, live_policy
+from hyla.disagg.policy.prefix_index import PrefixIndex, chunk_chain
 
 
 def test_chunk_chain_equal_prefixes_hash_equal():
@@ -31,7 +31,7 @@ def test_index_match_capacity_and_forget():
 
 def _router(**kw):
     cfg = LiveRouterConfig(prefill_urls=["http://p"], decode_urls=["http://d1", "http://d2"],
-                           model_name="m", threshold=300, adapt=False,
+                           model_name="m", policy=live_policy(threshold=300, adapt=False),
                            prefix_chunk_tokens=256, **kw)
     r = LiveRouter(cfg, None)
     for w in r.prefill + r.decode:

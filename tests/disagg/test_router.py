@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from hyla.disagg.router import LOCAL, REMOTE, PrfaasRouter, RouterConfig, recommend_pd_split
+from hyla.disagg.policy.prfaas import LOCAL, REMOTE, PrfaasRouter, RouterConfig, recommend_pd_split
 
 
 def router(**kw):
@@ -14,7 +14,7 @@ def router(**kw):
 def test_no_torch_imported():
     import subprocess
 
-    code = ("import sys, hyla.disagg.router; "
+    code = ("import sys, hyla.disagg.policy.prfaas; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 

@@ -1,21 +1,22 @@
 """The PrfaaS simulator: cost model, workloads, one run per deployment kind, the CLI."""
 
+import dataclasses
 import json
 import pathlib
 import random
 
 import pytest
 
-from hyla.disagg.kv_table import kv_table
-from hyla.disagg.sim import Deployment, Sim, SimConfig
-from hyla.disagg.sim_hardware import (
+from hyla.disagg.sim.hardware import (
     InstanceProfile,
     load_measured_profile,
     published_1t_hybrid,
     step_time,
 )
-from hyla.disagg.sim_setups import published_deployments, workload_maker
-from hyla.disagg.sim_workload import SyntheticMix, arrival_times, load_trace
+from hyla.disagg.sim.kv_table import kv_table
+from hyla.disagg.sim.model import Deployment, Sim, SimConfig
+from hyla.disagg.sim.setups import published_deployments, workload_maker
+from hyla.disagg.sim.workload import SyntheticMix, arrival_times, load_trace
 
 SHARED_TRACE = (pathlib.Path(__file__).resolve().parents[3] / "shared" / "traces"
                 / "azure_conv_2023.csv")
@@ -119,10 +120,11 @@ def test_run_each_deployment(kind):
 def test_prfaas_offloads_only_long_incremental_prefills():
     reqs = SyntheticMix().generate(40, 0.3, seed=3)
     dep = small_deps()["prfaas"]
-    sim = Sim(MODEL, Deployment(**{**dep.__dict__, "adapt": False}))
+    sim = Sim(MODEL, Deployment(**{**dep.__dict__,
+                                   "policy": dataclasses.replace(dep.policy, adapt=False)}))
     sim.run(reqs)
     for rec in sim.rec.values():
-        assert (rec["cluster"] == "remote") == (rec["incremental"] > dep.threshold) or \
+        assert (rec["cluster"] == "remote") == (rec["incremental"] > dep.policy.threshold) or \
             rec["cached"] > 0   # cache-aware placement may count a prefix held elsewhere
 
 
@@ -169,7 +171,7 @@ def test_workload_maker_is_rate_independent():
 
 
 def test_calibrate_remote_mfu_bisects_toward_the_target_ratio():
-    from hyla.disagg.sim_setups import calibrate_remote_mfu
+    from hyla.disagg.sim.setups import calibrate_remote_mfu
 
     make = workload_maker(num_requests=20)
     deps = small_deps()

@@ -5,11 +5,12 @@ profile measured on the engine."""
 import pytest
 import simpy
 
-from hyla.disagg.sim import Deployment, Sim, SimConfig
-from hyla.disagg.sim_cpu import HostCPU
-from hyla.disagg.sim_hardware import InstanceProfile, step_time
-from hyla.disagg.sim_profile import _fit_line, measure_engine_profile
-from hyla.disagg.sim_workload import Request
+from hyla.disagg.policy import RouterConfig
+from hyla.disagg.sim.cpu import HostCPU
+from hyla.disagg.sim.hardware import InstanceProfile, step_time
+from hyla.disagg.sim.model import Deployment, Sim, SimConfig
+from hyla.disagg.sim.profile import _fit_line, measure_engine_profile
+from hyla.disagg.sim.workload import Request
 
 PROFILE = {"name": "cpu", "prefill_tok_s": 10_000.0, "prefill_overhead_s": 0.005,
            "decode_step_s": {"1": 0.002, "16": 0.004}, "decode_context": 32,
@@ -18,7 +19,7 @@ MODEL_LAYERS = "GGGA"
 
 
 def spec():
-    from hyla.disagg.sim_hardware import ModelSpec
+    from hyla.disagg.sim.hardware import ModelSpec
 
     return ModelSpec(name="tiny", total_params=2e5, active_params=2e5, weight_bytes=8e5,
                      kv_bytes_per_token=256, state_bytes=6144, attn_pair_flops=256,
@@ -29,7 +30,7 @@ def live_like(threshold=10_000, colocated=True):
     prof = InstanceProfile(gpu="H20", gpus=1, measured=PROFILE)
     return Deployment(name="cpu", kind="prfaas", local=prof, local_instances=1,
                       local_prefill=0, colocated=colocated, remote=prof, remote_instances=1,
-                      threshold=threshold, adapt=False)
+                      policy=RouterConfig(threshold=threshold, adapt=False))
 
 
 def cfg(**kw):

@@ -1,4 +1,5 @@
-"""State transfer: the wire format's checks, real zmq sockets, layer-wise overlap, pacing."""
+"""State transfer: the wire format's checks, real zmq sockets, the prefill worker's engine,
+shipping overlapping the next prefill, pacing."""
 
 import asyncio
 import json
@@ -8,7 +9,7 @@ import pytest
 import torch
 import zmq
 
-from hyla.disagg.transfer import (
+from hyla.disagg.live.transfer import (
     LinkLimiter,
     Transfer,
     TransferAssembler,
@@ -16,8 +17,8 @@ from hyla.disagg.transfer import (
     encode_transfer,
     model_fingerprint,
 )
-from hyla.disagg.transfer_net import StateReceiver, StateSender
-from hyla.disagg.worker_prefill import PrefillService
+from hyla.disagg.live.transfer_net import StateReceiver, StateSender
+from hyla.disagg.live.worker_prefill import PrefillService
 from hyla.model import HylaLM, preset
 from hyla.model.state import SequenceState
 from hyla.serve.runner import Runner
@@ -40,6 +41,13 @@ def state(model):
     return st
 
 
+CHUNK = 1024                  # small chunks: the debug state's buffer spans several
+
+
+def _msgs(rid="r", fp=FP, state=None, first=5):
+    return encode_transfer(rid, fp, state, first, chunk_bytes=CHUNK)
+
+
 def _feed(asm, msgs):
     results = [asm.feed(m) for m in msgs]
     return [r for r in results if r is not None]
@@ -52,7 +60,7 @@ def _same(a: SequenceState, b: SequenceState) -> bool:
 
 
 def test_roundtrip_verifies_every_layer(state):
-    (done,) = _feed(TransferAssembler(FP, state.kinds), encode_transfer("r", FP, state, 5))
+    (done,) = _feed(TransferAssembler(FP, state.kinds), _msgs(state=state))
     assert isinstance(done, Transfer) and done.first_token == 5
     assert _same(done.state, state) and done.nbytes >= state.nbytes
 
@@ -60,7 +68,8 @@ def test_roundtrip_verifies_every_layer(state):
 @pytest.mark.parametrize("damage", ["corrupt", "truncated", "fingerprint", "layout",
                                     "missing_layer", "duplicate_layer", "no_begin", "abort"])
 def test_bad_transfers_are_rejected(state, damage):
-    msgs = encode_transfer("r", FP, state, 5)
+    msgs = _msgs(state=state)
+    assert len(msgs) >= 5                               # begin, >= 3 chunks, end
     kinds = list(state.kinds)
     if damage == "corrupt":
         buf = msgs[2][1].copy()
@@ -69,9 +78,9 @@ def test_bad_transfers_are_rejected(state, damage):
     elif damage == "truncated":
         msgs[2][1] = msgs[2][1][:-64]
     elif damage == "fingerprint":
-        msgs = encode_transfer("r", "other-model", state, 5)
+        msgs = _msgs(fp="other-model", state=state)
     elif damage == "layout":
-        kinds = ["gla"] * len(kinds)
+        kinds = [kinds[-1]] * len(kinds)
     elif damage == "missing_layer":
         del msgs[3]
     elif damage == "duplicate_layer":
@@ -87,23 +96,23 @@ def test_bad_transfers_are_rejected(state, damage):
     assert "rejected" in str(out[0]) and out[0].request_id == "r"
 
 
-def test_layer_with_wrong_inner_layout_is_rejected(state):
-    msgs = encode_transfer("r", FP, state, 5)
-    other = encode_transfer("r", FP, state, 5)
-    msgs[1] = other[4]                                  # attention layer in a GLA slot
-    head = json.loads(msgs[1][0]) | {"index": 0}
-    msgs[1] = [json.dumps(head).encode(), msgs[1][1]]
+def test_state_with_wrong_inner_layout_is_rejected(state):
+    """A buffer whose own layout is not the one 'begin' announced (checksums all fine)."""
+    swapped = SequenceState(state.kinds[::-1], state.tensors[::-1], state.num_tokens)
+    msgs = _msgs(state=swapped)
+    head = json.loads(msgs[0][0]) | {"kinds": list(state.kinds)}
+    msgs[0] = [json.dumps(head).encode()]
     (err,) = _feed(TransferAssembler(FP, state.kinds), msgs)
-    assert isinstance(err, TransferError) and "layer 0" in str(err)
+    assert isinstance(err, TransferError) and "the state holds layers" in str(err)
 
 
 def test_stalled_transfer_expires(state):
     asm = TransferAssembler(FP, state.kinds)
-    _feed(asm, encode_transfer("r", FP, state, 5)[:2], )
+    _feed(asm, _msgs(state=state)[:2], )
     assert asm.expire(5.0, now=time.monotonic() + 1) == []
     (err,) = asm.expire(5.0, now=time.monotonic() + 10)
     assert "stalled" in str(err)
-    assert asm.feed(encode_transfer("r", FP, state, 5)[2]) is None    # late: dropped
+    assert asm.feed(_msgs(state=state)[2]) is None    # late: dropped
 
 
 def test_fingerprint_tracks_weights(model):
@@ -117,11 +126,8 @@ def test_sockets_roundtrip_and_faults(state):
     tx = StateSender(FP)
 
     def send(rid):
-        out = tx.start(rid, rx.address, state.kinds, state.num_tokens)
-        for i, ts in enumerate(state.tensors):
-            out.layer(i, state.kinds[i], ts)
-        out.end(9, {"token": 9, "logprob": -0.5, "top": []})
-        return out.wait(10)
+        return tx.send(rid, rx.address, state, 9, {"token": 9, "logprob": -0.5,
+                                                   "top": []}).wait(10)
 
     async def run():
         send("ok")
@@ -135,7 +141,7 @@ def test_sockets_roundtrip_and_faults(state):
         send("alien")
         with pytest.raises(TransferError, match="fingerprint"):
             await rx.wait("alien", 10)
-        tx.faults["drop_after_layer"] = 1
+        tx.faults["stall_after_chunks"] = 1
         send("stall")
         t0 = time.monotonic()
         with pytest.raises(TransferError, match="stalled|did not complete"):
@@ -169,11 +175,8 @@ def test_sender_limiter_and_egress_meter(state):
     tx = StateSender(FP, link_gbps=0.004)              # 0.5 MB/s
     try:
         nbytes = sum(len(m[1]) for m in encode_transfer("x", FP, state, 0) if len(m) == 2)
-        out = tx.start("x", rx.address, state.kinds, state.num_tokens)
-        for i, ts in enumerate(state.tensors):
-            out.layer(i, state.kinds[i], ts)
-        out.end(0)
         t0 = time.perf_counter()
+        out = tx.send("x", rx.address, state, 0)
         stats = out.wait(30)
         expected = nbytes * 8 / 0.004e9
         assert time.perf_counter() - t0 >= 0.7 * expected
@@ -185,37 +188,29 @@ def test_sender_limiter_and_egress_meter(state):
         rx.close()
 
 
-def test_prefill_service_ships_layers_while_computing(model):
-    """Layer 0 arrives while later layers still compute (each takes >= 0.25 s here), and
-    the shipped state and first token equal a local prefill's."""
-    svc = PrefillService(model, max_model_len=128)
-    svc.faults["layer_delay_s"] = 0.25
+def test_prefill_service_ships_the_engines_state(model):
+    """The worker's engine prefills (in chunks) and hands over the state; what arrives,
+    and the first token, equal a local prefill's."""
+    svc = PrefillService(model, max_model_len=128, chunk_tokens=16)
     ctx = zmq.Context.instance()
     pull = ctx.socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     prompt = list(range(3, 40))
     try:
-        import threading
-
-        res = {}
-        th = threading.Thread(target=lambda: res.update(svc.run_sync(
-            "r", prompt, SamplingParams(temperature=0), f"tcp://127.0.0.1:{port}")))
-        th.start()
-        arrivals, msgs = [], []
-        while len(msgs) < 2 + len(svc.kinds):
+        res = svc.run_sync("r", prompt, SamplingParams(temperature=0),
+                           f"tcp://127.0.0.1:{port}")
+        msgs = []
+        while not msgs or json.loads(msgs[-1][0])["type"] != "end":
             assert pull.poll(30_000), "transfer did not arrive"
             msgs.append(pull.recv_multipart())
-            arrivals.append(time.monotonic())
-        th.join(30)
-        first_layer, end = arrivals[1], arrivals[-1]
-        assert end - first_layer >= 0.5, arrivals      # >= 2 later layers' compute
         (done,) = _feed(TransferAssembler(svc.fingerprint, svc.kinds), msgs)
         runner = Runner(model, max_num_seqs=1, num_kv_blocks=8)
         logits = runner.prefill([(0, prompt, 0, [0, 1, 2])])
         ref = runner.extract(0, len(prompt), [0, 1, 2])
         assert _same(done.state, ref)
         assert done.first_token == res["first_token"] == int(logits[0].argmax())
-        assert res["layers"] == len(svc.kinds) and res["bytes"] > ref.nbytes
+        assert res["chunks"] == len(msgs) - 2 and res["bytes"] > ref.nbytes
+        assert not svc.engine.has_unfinished() and svc.engine.scheduler.pool.num_used == 0
     finally:
         pull.close(linger=0)
         svc.close()

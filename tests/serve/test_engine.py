@@ -206,3 +206,36 @@ def test_one_request_failing_does_not_stop_the_others():
         assert ae.error is None                        # the engine thread is still up
     finally:
         ae.shutdown()
+
+
+def test_rejected_request_leaves_nothing_queued():
+    eng = Engine(_model(), None, EngineConfig(max_model_len=64))     # token-only
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        eng.add_request([1, 2, 3], dataclasses.replace(GREEDY, stop=("x",)), "r")
+    assert not eng.has_unfinished() and eng.scheduler.num_waiting == 0
+    assert eng.step() == []
+    assert eng.add_request([1, 2, 3], GREEDY, "r").request_id == "r"    # the id is free
+
+
+@pytest.mark.parametrize("layers", ["GGGA", "AA"])
+def test_prefill_only_hands_over_a_state_that_decodes_like_local(layers):
+    model = _model(layers)
+    prompt = _prompts(1, seed=5, lo=40, hi=41)[0]
+    want = generate(model, prompt, 8, temperature=0)
+    params = dataclasses.replace(GREEDY, max_tokens=8)
+    pre = Engine(model, None, EngineConfig(max_model_len=48, max_num_batched_tokens=16))
+    # only the prompt must fit; stop strings are the decoder's business
+    pre.add_request(prompt, dataclasses.replace(params, stop=("z",)), "p", prefill_only=True)
+    outs = []
+    while pre.has_unfinished():
+        outs += pre.step()                       # 3 chunks; only the last one samples
+    (o,) = outs
+    assert o.finished and o.token_ids == want[:1] and o.state.num_tokens == len(prompt)
+    assert pre.scheduler.pool.num_used == 0
+    assert pre.scheduler.blocks.num_free == pre.scheduler.blocks.num_blocks
+    dec = Engine(model, None, EngineConfig(max_model_len=64))
+    seq = dec.add_prefilled(prompt, o.token_ids[0], type(o.state).unflatten(o.state.flatten()),
+                            params)
+    while dec.has_unfinished():
+        dec.step()
+    assert seq.output_ids == want

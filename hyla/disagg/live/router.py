@@ -1,14 +1,16 @@
 """The router role (``hyla serve --role router``): the cluster's OpenAI-compatible front.
 
 For each request the router tokenizes the prompt, looks up how much of it the PD workers'
-prefix caches hold (:class:`~hyla.disagg.prefix_index.PrefixIndex`, the router's own
-estimate), and asks the :class:`~hyla.disagg.router.PrfaasRouter` policy where its prefill
-runs, on the incremental length:
+prefix caches hold (:class:`~hyla.disagg.policy.prefix_index.PrefixIndex`, the router's own
+estimate), and asks the routing policy (:class:`~hyla.disagg.policy.prfaas.PrfaasRouter`,
+built by :func:`~hyla.disagg.policy.build_policy` from ``LiveRouterConfig.policy``, as the
+simulator builds its own) where its prefill runs, on the incremental length, and which
+worker gets it (``policy.pick``):
 
 - **local**: the request is proxied to a decode (PD) worker, the one holding its longest
   cached prefix if any, which prefills and decodes it;
-- **remote**: a prefill worker prefills it and ships the state, layer by layer, to a decode
-  worker that streams the decode back through the router.
+- **remote**: a prefill worker prefills it and ships the state to a decode worker that
+  streams the decode back through the router.
 
 Nothing is lost silently. A remote prefill that fails (worker killed, transfer corrupt,
 partial, mismatched or stalled) is re-run locally. A decode worker that fails before the
@@ -34,15 +36,15 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from hyla.disagg.prefix_index import PrefixIndex, chunk_chain
-from hyla.disagg.router import LOCAL, PrfaasRouter, RouterConfig, recommend_pd_split
-from hyla.disagg.transfer import EgressMeter
+from hyla.disagg.live.transfer import EgressMeter
+from hyla.disagg.policy import LOCAL, RouterConfig, build_policy, recommend_pd_split
+from hyla.disagg.policy.prefix_index import PrefixIndex, chunk_chain
+from hyla.model.sampler import TokenLogprob
 from hyla.serve.api import (
     param_of,
 )
 from hyla.serve.api_schemas import APIError
 from hyla.serve.engine import StepOutput
-from hyla.serve.sampler import TokenLogprob
 from hyla.serve.sequence import SamplingParams
 
 
@@ -67,6 +69,11 @@ class Worker:
     error: str | None = "not polled yet"
     inflight: int = 0
     last_ok: float = 0.0
+    queued_tokens: int = 0          # not tracked per worker: the policy picks by inflight
+
+    @property
+    def name(self) -> str:
+        return self.url
 
     def view(self) -> dict:
         i = self.info
@@ -82,20 +89,30 @@ class Worker:
 LIVE_QUEUE_MARGIN_S = 0.1
 
 
+def live_policy(**kw) -> RouterConfig:
+    """The policy's knobs with a small live cluster's defaults (``threshold`` 1024 tokens,
+    a 10 Gbps link, queues within 0.1 s balanced); ``kw`` overrides any of them.
+
+    Example:
+        >>> live_policy(threshold=512).threshold, live_policy().queue_margin_s
+        (512, 0.1)
+    """
+    return RouterConfig(**{"threshold": 1024, "link_gbps": 10.0,
+                           "queue_margin_s": LIVE_QUEUE_MARGIN_S, **kw})
+
+
 @dataclass(kw_only=True)
 class LiveRouterConfig:
-    """The router's knobs. ``threshold`` (tokens) is the policy's initial ``t``;
-    ``link_gbps`` the inter-cluster link's capacity (for utilisation);
-    ``max_remote_inflight`` requests per prefill worker before the pool counts as
-    saturated (then requests stay local)."""
+    """The router's knobs. ``policy`` holds the routing policy's (threshold, link capacity,
+    adaptation; see :class:`~hyla.disagg.policy.RouterConfig`); ``max_remote_inflight``
+    requests per prefill worker before the pool counts as saturated (then requests stay
+    local)."""
 
     prefill_urls: list[str]
     decode_urls: list[str]
     model_name: str
     max_model_len: int = 2048
-    threshold: int = 1024
-    link_gbps: float = 10.0
-    adapt: bool = True
+    policy: RouterConfig = field(default_factory=live_policy)
     transfer_timeout_s: float = 30.0
     max_remote_inflight: int = 4
     poll_s: float = 0.5
@@ -106,7 +123,6 @@ class LiveRouterConfig:
     # chunks of the engine's GLA snapshot interval, as many per worker as it keeps snapshots.
     prefix_chunk_tokens: int = 256
     prefix_capacity: int = 16
-    queue_margin_s: float = LIVE_QUEUE_MARGIN_S
 
 
 def _out(d: dict, rid: str) -> StepOutput:
@@ -123,9 +139,7 @@ class LiveRouter:
         self.cfg, self.tok = cfg, tokenizer
         self.prefill = [Worker(u.rstrip("/"), "prefill") for u in cfg.prefill_urls]
         self.decode = [Worker(u.rstrip("/"), "decode") for u in cfg.decode_urls]
-        self.policy = PrfaasRouter(RouterConfig(
-            threshold=cfg.threshold, t_min=min(256, cfg.threshold), link_gbps=cfg.link_gbps,
-            adapt=cfg.adapt, queue_margin_s=cfg.queue_margin_s))
+        self.policy = build_policy(cfg.policy)
         self.egress = EgressMeter(window_s=5.0)
         self.prefix = PrefixIndex(cfg.prefix_chunk_tokens, cfg.prefix_capacity)
         self.counts = {"local": 0, "remote": 0, "remote_ok": 0, "fallback_local": 0,
@@ -209,7 +223,7 @@ class LiveRouter:
         p = self.policy
         return {"router": {"role": "router", "pid": os.getpid(), "health": "ok"},
                 "workers": [w.view() for w in self.prefill + self.decode],
-                "policy": {"threshold": p.t, "link_gbps": self.cfg.link_gbps,
+                "policy": {"threshold": p.t, "link_gbps": self.cfg.policy.link_gbps,
                            "egress_gbps": self.egress.gbps(), "link_util": p.link_util,
                            "remote_queue_s": p.remote_queue_s,
                            "local_queue_s": p.local_queue_s, "remote_up": p.remote_up,
@@ -220,16 +234,14 @@ class LiveRouter:
     # -- picking workers ---------------------------------------------------------------
     def _pick(self, pool: list[Worker], exclude=(), cap: int | None = None,
               need_transfer: bool = False, prefer: str | None = None) -> Worker | None:
+        """The worker of ``pool`` that gets a request: those that can take it (healthy, not
+        tried yet, under ``cap``, with a transfer socket if ``need_transfer``), then the
+        policy's choice among them (``prefer``: the one holding the prompt's prefix)."""
         ok = [w for w in pool if w.healthy and w.url not in exclude
               and (cap is None or w.inflight < cap)
               and (not need_transfer or w.info.get("transfer_address"))]
-        if not ok:
-            return None
-        for w in ok:
-            if w.url == prefer:         # it holds the prompt's prefix: cache-affine
-                return w
-        k = next(self._rr)
-        return min(ok, key=lambda w: (w.inflight, (pool.index(w) + k) % len(pool)))
+        return self.policy.pick(ok, prefill=not need_transfer, prefer=prefer,
+                                turn=next(self._rr))
 
     # -- request paths -----------------------------------------------------------------
     async def generate(self, ids: list[int], params: SamplingParams, rid: str):

@@ -3,7 +3,7 @@
 :func:`measure_engine_profile` times whole :meth:`hyla.serve.engine.Engine.step` calls
 (scheduling, the forward pass, sampling, prefix-cache snapshots, bookkeeping), one request
 shape at a time, and returns the JSON that
-:func:`hyla.disagg.sim_hardware.load_measured_profile` reads:
+:func:`hyla.disagg.sim.hardware.load_measured_profile` reads:
 
 - ``prefill_overhead_s`` and ``prefill_tok_s``: a least-squares line through the times of
   prefill-only steps against their token counts (fixed cost + tokens / speed);

@@ -1,7 +1,10 @@
-"""Prefill-as-a-Service routing policy: where a request's prefill runs. Pure Python, no torch.
+"""Prefill-as-a-Service routing policy: where a request's prefill runs and which worker
+gets it. Pure Python, no torch.
 
-The same object runs inside the simulator (:mod:`hyla.disagg.sim`) and in the live router
-process, which feeds it measured values instead of simulated ones.
+The same object (built by :func:`build_policy` from one :class:`RouterConfig`) runs inside
+the simulator (:mod:`hyla.disagg.sim.model`) and in the live router process
+(:mod:`hyla.disagg.live.router`), which feeds it measured values instead of simulated ones.
+It implements :class:`hyla.disagg.policy.base.RoutingPolicy`.
 
 Policy (after the published PrfaaS design):
 
@@ -27,11 +30,12 @@ Policy (after the published PrfaaS design):
 
 API (what the live router calls)::
 
-    router = PrfaasRouter(RouterConfig(threshold=19_400, link_gbps=100))
+    router = build_policy(RouterConfig(threshold=19_400, link_gbps=100))
     d = router.route(prompt_len=30_000, cached={"local": 0, "remote": 8_192}, now=t)
     d.target                     # "local" or "remote"
     d.compute_tokens             # tokens the chosen cluster must prefill
     d.cache_transfer             # None, or ("local", "remote", n_tokens): prefix moved first
+    w = router.pick(workers)     # which of them: least queued prefill, then fewest requests
     router.observe(now=t, egress_gbps=12.5, remote_queue_s=0.8, local_queue_s=2.0,
                    remote_up=True)   # returns the new threshold
     recommend_pd_split(n_local=8, n_prefill=2, prefill_busy=0.9, decode_busy=0.3)  # -> 3
@@ -48,22 +52,26 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-LOCAL = "local"
-REMOTE = "remote"
+from hyla.disagg.policy.base import LOCAL, REMOTE, C, RouteDecision, least_loaded
 
 
 @dataclass(kw_only=True)
 class RouterConfig:
-    """Knobs of :class:`PrfaasRouter` (all lengths in tokens, times in seconds).
+    """Knobs of :class:`PrfaasRouter` (all lengths in tokens, times in seconds): the one
+    config type of the routing policy, held as-is by the live router
+    (``LiveRouterConfig.policy``) and by a simulated deployment (``Deployment.policy``).
 
-    ``threshold`` is the initial ``t``; ``link_gbps`` the egress link's capacity, used to turn
-    measured Gbps into a utilisation. ``adapt=False`` freezes ``t`` (a static threshold).
+    ``threshold`` is the initial ``t``; ``t_min`` its floor (None: 256, or ``threshold`` if
+    lower); ``link_gbps`` the egress link's capacity, used to turn measured Gbps into a
+    utilisation (the simulator sets it to its simulated link's). ``adapt=False`` freezes
+    ``t`` (a static threshold).
     """
 
     threshold: int = 19_400          # the published optimum for its workload
-    t_min: int = 256
+    t_min: int | None = None
     t_max: int = 1 << 20
     link_gbps: float = 100.0
     util_high: float = 0.7           # above: the link is busy, offload less
@@ -75,7 +83,7 @@ class RouterConfig:
     adapt: bool = True
 
     def __post_init__(self) -> None:
-        if not 0 < self.t_min <= self.threshold <= self.t_max:
+        if not 0 < self.t_floor <= self.threshold <= self.t_max:
             raise ValueError(f"need 0 < t_min <= threshold <= t_max, got {self.t_min}, "
                              f"{self.threshold}, {self.t_max}")
         if self.link_gbps <= 0:
@@ -88,23 +96,10 @@ class RouterConfig:
         if self.queue_margin_s < 0:
             raise ValueError(f"queue_margin_s must be >= 0, got {self.queue_margin_s}")
 
-
-@dataclass
-class RouteDecision:
-    """Where one request's prefill runs.
-
-    ``compute_tokens`` is what that cluster must prefill (prompt minus the prefix it uses);
-    ``cached_tokens`` the prefix it starts from; ``cache_transfer`` is None or
-    ``(from_cluster, to_cluster, tokens)`` when a cached prefix must be moved first.
-    ``reason`` is one of "short", "long", "fallback", "cached".
-    """
-
-    target: str
-    compute_tokens: int
-    cached_tokens: int
-    threshold: int
-    reason: str
-    cache_transfer: tuple[str, str, int] | None = None
+    @property
+    def t_floor(self) -> int:
+        """The effective ``t_min``."""
+        return min(256, self.threshold) if self.t_min is None else self.t_min
 
 
 @dataclass
@@ -116,7 +111,8 @@ class RouterStats:
 
 
 class PrfaasRouter:
-    """Threshold router with short-timescale control of ``t`` (see the module docstring)."""
+    """Threshold router with short-timescale control of ``t`` (see the module docstring);
+    a :class:`~hyla.disagg.policy.base.RoutingPolicy`."""
 
     def __init__(self, cfg: RouterConfig | None = None):
         self.cfg = cfg or RouterConfig()
@@ -172,6 +168,11 @@ class PrfaasRouter:
         self.stats.cache_transfers += d.cache_transfer is not None
         return d
 
+    def pick(self, pool: Sequence[C], *, prefill: bool = True, prefer: str | None = None,
+             turn: int = 0) -> C | None:
+        """Which member of ``pool`` gets the request: :func:`least_loaded`."""
+        return least_loaded(pool, prefill=prefill, prefer=prefer, turn=turn)
+
     def _decide(self, target, prompt_len, cached, t, short, move) -> RouteDecision:
         reason = ("cached" if cached and prompt_len > t else "short") if short else "fallback"
         return RouteDecision(target, prompt_len - cached, cached, t, reason, move)
@@ -200,9 +201,20 @@ class PrfaasRouter:
             if busy:
                 self.threshold = min(c.t_max, self.threshold * c.step)
             elif idle:
-                self.threshold = max(c.t_min, self.threshold / c.step)
+                self.threshold = max(c.t_floor, self.threshold / c.step)
         self.stats.threshold_history.append((now, self.t))
         return self.t
+
+
+def build_policy(cfg: RouterConfig | None = None) -> PrfaasRouter:
+    """The routing policy for ``cfg``: the one place the live router and the simulator
+    get theirs from.
+
+    Example:
+        >>> build_policy(RouterConfig(threshold=1000)).t
+        1000
+    """
+    return PrfaasRouter(cfg)
 
 
 def recommend_pd_split(n_local: int, n_prefill: int, prefill_busy: float,

@@ -1,12 +1,14 @@
 """The prefill role (``hyla serve --role prefill``): prefill prompts, ship their states.
 
 A prefill worker takes internal requests ``POST /internal/prefill`` with ``{request_id,
-prompt_ids, params, dest}`` (``dest``: the decode worker's transfer address), prefills them
-one at a time on a :class:`~hyla.serve.runner.Runner` (the next one while the last state is
-still on the link), ships each layer's state to ``dest`` as soon as that layer is final
-(:class:`~hyla.disagg.transfer_net.StateSender`, paced to ``--link-gbps``), samples the
-first token and answers with it and the transfer's figures once the state is sent.
-``GET /health`` and ``GET /internal/info`` report its queue, prefill throughput and egress.
+prompt_ids, params, dest}`` (``dest``: the decode worker's transfer address). It prefills
+them one at a time on an :class:`~hyla.serve.engine.Engine` as prefill-only requests (the
+engine checks the prompt, seeds the sampler, chunks the prompt, samples the first token and
+hands over the :class:`~hyla.model.state.SequenceState`), ships each state whole to
+``dest`` (:class:`~hyla.disagg.live.transfer_net.StateSender`, paced to ``--link-gbps``)
+while it goes on to the next prompt, and answers with the first token and the transfer's
+figures once the state is sent. ``GET /health`` and ``GET /internal/info`` report its
+queue, prefill throughput and egress.
 """
 
 from __future__ import annotations
@@ -17,15 +19,14 @@ import queue
 import threading
 import time
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from hyla.disagg.transfer import model_fingerprint
-from hyla.disagg.transfer_net import StateSender, fault_injection_enabled
+from hyla.disagg.live.transfer import model_fingerprint
+from hyla.disagg.live.transfer_net import StateSender, fault_injection_enabled
+from hyla.model.state import SequenceState
 from hyla.serve.api_schemas import error_body
-from hyla.serve.runner import Runner
-from hyla.serve.sampler import sample
+from hyla.serve.engine import Engine, EngineConfig
 from hyla.serve.sequence import SamplingParams
 
 
@@ -43,28 +44,31 @@ def logprob_to_dict(lp) -> dict | None:
 
 
 class PrefillService:
-    """Serial prefill with layer-wise state shipping.
+    """Serial prefill on an engine, each state shipped while the next prompt prefills.
+
+    ``chunk_tokens``: the engine's prefill chunk (``max_num_batched_tokens``).
 
     Example:
         >>> import asyncio
         >>> from hyla.model import HylaLM, preset
-        >>> from hyla.disagg.transfer_net import StateReceiver
+        >>> from hyla.disagg.live.transfer_net import StateReceiver
         >>> svc = PrefillService(HylaLM(preset("debug")), max_model_len=64)
         >>> rx = StateReceiver(svc.fingerprint, svc.kinds)
         >>> r = svc.run_sync("r1", [1, 2, 3], SamplingParams(temperature=0), rx.address)
-        >>> r["layers"], asyncio.run(rx.wait("r1", 10)).state.num_tokens
-        (4, 3)
+        >>> r["chunks"], asyncio.run(rx.wait("r1", 10)).state.num_tokens
+        (1, 3)
         >>> svc.close(); rx.close()
     """
 
     def __init__(self, model, *, max_model_len: int, block_size: int = 16,
                  chunk_tokens: int = 2048, link_gbps: float | None = None):
         self.model = model.eval()
-        self.max_model_len, self.block_size, self.chunk = max_model_len, block_size, chunk_tokens
-        self.kinds = [b.kind for b in model.blocks]
-        has_attn = "attention" in self.kinds
-        self.runner = Runner(model, max_num_seqs=1, block_size=block_size,
-                             num_kv_blocks=-(-max_model_len // block_size) if has_attn else 0)
+        # one sequence at a time (a serial prefill instance); no prefix cache: the router
+        # counts none on the remote pool
+        self.engine = Engine(model, None, EngineConfig(
+            max_num_seqs=1, max_num_batched_tokens=chunk_tokens, max_model_len=max_model_len,
+            block_size=block_size, enable_prefix_caching=False))
+        self.kinds = SequenceState.empty(model.cfg).kinds
         self.fingerprint = model_fingerprint(model)
         self.sender = StateSender(self.fingerprint, link_gbps)
         self.link_gbps = link_gbps
@@ -75,6 +79,7 @@ class PrefillService:
         self.started = time.monotonic()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._engine_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="hyla-prefill", daemon=True)
         self._thread.start()
         # Transfers finish in order on the sender's one link; waiting for them here lets
@@ -99,9 +104,11 @@ class PrefillService:
 
     async def submit(self, rid: str, prompt: list[int], params: SamplingParams,
                      dest: str) -> dict:
+        """Queue a prompt; its answer once the state is sent. ValueError (before queueing)
+        if the engine could never run it."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._check(prompt)
+        self.engine.check_request(prompt, params, prefill_only=True)
         with self._lock:
             self.queued_tokens += len(prompt)
         self._jobs.put((rid, prompt, params, dest, loop, fut))
@@ -109,7 +116,6 @@ class PrefillService:
 
     def run_sync(self, rid: str, prompt: list[int], params: SamplingParams, dest: str) -> dict:
         """Prefill in the calling thread (tests, tools)."""
-        self._check(prompt)
         return self._finish(*self._prefill(rid, prompt, params, dest))
 
     def close(self) -> None:
@@ -118,14 +124,6 @@ class PrefillService:
         self._shipping.put(None)
         self._shipper.join(timeout=10)
         self.sender.close()
-
-    def _check(self, prompt: list[int]) -> None:
-        vocab = self.model.cfg.vocab_size
-        if not prompt or len(prompt) > self.max_model_len:
-            raise ValueError(f"the prompt must hold 1 to {self.max_model_len} tokens, got "
-                             f"{len(prompt)}")
-        if any(not 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
 
     def _loop(self) -> None:
         while True:
@@ -159,44 +157,33 @@ class PrefillService:
                 result = e
             loop.call_soon_threadsafe(_resolve, fut, result)
 
-    @torch.no_grad()
     def _prefill(self, rid, prompt, params, dest) -> tuple:
-        """Prefill ``prompt``, queueing each layer's state on the link as it is final;
+        """Prefill ``prompt`` on the engine (prefill-only) and queue its state on the link;
         returns what :meth:`_finish` needs once the transfer is done."""
-        r, n, bs = self.runner, len(prompt), self.block_size
-        out = self.sender.start(rid, dest, self.kinds, n)
-        table = list(range(-(-n // bs))) if r.attn_layers else []
-        delay = float(self.faults.get("layer_delay_s", 0.0))
-
-        def on_layer(i: int) -> None:
-            if delay:
-                time.sleep(delay)
-            if i in r.states:
-                tensors = (r.states[i][0].clone(),)
-            else:
-                tensors = tuple(t.clone() for t in r.layer_kv(i, table, n))
-            out.layer(i, self.kinds[i], tensors)
-
+        delay = float(self.faults.get("prefill_delay_s", 0.0))
+        if delay:
+            time.sleep(delay)
         t0 = time.perf_counter()
-        try:
-            r.reset_slot(0)
-            for start in range(0, n, self.chunk):
-                last = start + self.chunk >= n
-                logits = r.prefill([(0, prompt[start:start + self.chunk], start, table)],
-                                   on_layer=on_layer if last else None)
-            gen = None
-            if params.seed is not None and not params.greedy:
-                gen = torch.Generator(device=r.device).manual_seed(params.seed)
-            tokens, lps = sample(logits, [params], [gen])
-        except Exception as e:
-            out.abort(f"prefill failed: {e!r}")
-            raise
+        done = None
+        with self._engine_lock:
+            eng = self.engine
+            eng.add_request(prompt, params, rid, prefill_only=True)
+            try:
+                while done is None and eng.has_unfinished():
+                    done = next((o for o in eng.step() if o.request_id == rid), None)
+            except BaseException:
+                eng.abort(rid)
+                raise
+        if done is None or done.state is None:
+            why = done.error if done is not None else "the engine did not run it"
+            raise RuntimeError(f"prefill of {rid!r} produced no state: {why}")
         prefill_s = time.perf_counter() - t0
-        lp = logprob_to_dict(lps[0])
-        out.end(tokens[0], lp)
-        self.stats["prompt_tokens"] += n
+        first = done.token_ids[0]
+        lp = logprob_to_dict(done.logprobs[0]) if done.logprobs else None
+        out = self.sender.send(rid, dest, done.state, first, lp)
+        self.stats["prompt_tokens"] += len(prompt)
         self.stats["prefill_s"] += prefill_s
-        return out, {"request_id": rid, "first_token": tokens[0], "logprob": lp,
+        return out, {"request_id": rid, "first_token": first, "logprob": lp,
                      "prefill_s": prefill_s}
 
     def _finish(self, out, result: dict) -> dict:
@@ -205,7 +192,7 @@ class PrefillService:
         if stats["error"]:
             raise RuntimeError(f"sending the state failed: {stats['error']}")
         self.stats["requests"] += 1
-        return {**result, "bytes": stats["bytes"], "layers": stats["layers"],
+        return {**result, "bytes": stats["bytes"], "chunks": stats["chunks"],
                 "transfer_s": stats["seconds"]}
 
 
@@ -251,11 +238,11 @@ def create_prefill_app(svc: PrefillService, api_key: str | None = None) -> FastA
             if body.get("clear"):
                 svc.sender.faults.clear()
                 svc.faults.clear()
-            for k in ("corrupt", "drop_after_layer", "fingerprint"):
+            for k in ("corrupt", "stall_after_chunks", "fingerprint"):
                 if k in body:
                     svc.sender.faults[k] = body[k]
-            if "layer_delay_s" in body:
-                svc.faults["layer_delay_s"] = body["layer_delay_s"]
+            if "prefill_delay_s" in body:
+                svc.faults["prefill_delay_s"] = body["prefill_delay_s"]
             return {"ok": True, "sender": svc.sender.faults, "service": svc.faults}
 
     return app

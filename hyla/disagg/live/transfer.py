@@ -1,24 +1,29 @@
 """Shipping a SequenceState from a prefill worker to a decode worker over TCP (pyzmq).
 
-One transfer is a series of zmq messages on a PUSH -> PULL pipe, each a multipart message
-whose first frame is a JSON header carrying ``rid`` (the request id) and ``type``:
+A transfer carries one whole :class:`~hyla.model.state.SequenceState`, the state after the
+prompt that the prefill worker's engine hands over (:meth:`hyla.serve.engine.Engine.
+add_request` with ``prefill_only``). It travels as its :meth:`~hyla.model.state.
+SequenceState.flatten` buffer, whose header CRC and payload checksum are the transfer's
+one checksum layer, cut into chunks so the link can be paced and a stalled transfer seen.
+It is a series of zmq messages on a PUSH -> PULL pipe (in order), each a multipart message
+whose first frame is a JSON header carrying ``v`` (the protocol), ``rid`` (the request id)
+and ``type``:
 
 - ``begin``: ``fingerprint`` (of the model: config + weights), ``kinds`` (the layout, one
-  kind per layer) and ``num_tokens``;
-- ``layer`` (one per layer, sent as soon as prefill has finished that layer, so transfer
-  overlaps the remaining layers' compute): ``index``, ``nbytes``, ``crc`` (CRC-32 of the
-  second frame), and that frame: the layer as a one-layer flattened
-  :class:`~hyla.model.state.SequenceState` (its own header and payload checksum too),
-  sent without copying;
+  kind per layer), ``num_tokens``, ``nbytes`` (of the buffer) and ``chunks``;
+- ``chunk`` (``chunks`` of them, ``index`` 0, 1, ...), and a second frame: the next
+  ``chunk_bytes`` of the buffer, sent without copying;
 - ``end``: ``first_token`` (sampled from the prompt's last logits), its ``logprob``
-  (optional) and ``num_layers`` sent;
-- ``abort``: ``reason`` (the prefill failed; the receiver gives up at once).
+  (optional) and ``chunks`` sent;
+- ``abort``: ``reason`` (the sender failed midway; the receiver gives up at once).
 
 The receiver (:class:`TransferAssembler`, driven by :class:`StateReceiver`'s socket thread)
-checks everything: a fingerprint or layout unlike its own model's, a CRC or size mismatch,
-a layer that will not unflatten, a missing or duplicated layer, or a transfer that stops
-arriving (the waiter's timeout) rejects the transfer with a :class:`TransferError` naming
-why; the router then re-runs that prefill locally.
+checks everything and rejects the transfer with a :class:`TransferError` naming why: a
+fingerprint or layout unlike its own model's; a chunk out of order (missing or
+duplicated); more or fewer bytes than announced (truncated); a buffer that will not
+unflatten (corrupt: its header CRC or payload checksum fails); a state of another layout
+or length than announced; or a transfer that stops arriving (the waiter's timeout). The
+router then re-runs that prefill locally.
 
 A :class:`LinkLimiter` paces the sender to ``link_gbps`` to emulate a cross-cluster link.
 
@@ -49,7 +54,8 @@ import torch
 
 from hyla.model.state import SequenceState
 
-PROTOCOL = 1
+PROTOCOL = 2
+CHUNK_BYTES = 1 << 20       # fine enough to pace a link smoothly and to notice a stall
 
 
 class TransferError(RuntimeError):
@@ -93,33 +99,33 @@ def model_fingerprint(model) -> str:
     return h.hexdigest()[:16]
 
 
-def layer_buffer(kind: str, tensors: tuple, num_tokens: int) -> torch.Tensor:
-    """One layer as a flattened one-layer SequenceState (uint8, on the CPU)."""
-    return SequenceState([kind], [tuple(t.cpu() for t in tensors)], num_tokens).flatten()
-
-
 def _header(**fields) -> bytes:
     return json.dumps({"v": PROTOCOL, **fields}, separators=(",", ":")).encode()
 
 
 def encode_transfer(rid: str, fingerprint: str, state: SequenceState, first_token: int,
-                    logprob: dict | None = None) -> list[list]:
-    """A whole state as the list of multipart messages a sender would emit (tests, tools)."""
-    msgs = [[_header(type="begin", rid=rid, fingerprint=fingerprint, kinds=state.kinds,
-                     num_tokens=state.num_tokens)]]
-    for i, (kind, ts) in enumerate(zip(state.kinds, state.tensors, strict=True)):
-        buf = layer_buffer(kind, ts, state.num_tokens).numpy()
-        msgs.append([_header(type="layer", rid=rid, index=i, nbytes=buf.nbytes,
-                             crc=zlib.crc32(buf)), buf])
+                    logprob: dict | None = None, chunk_bytes: int = CHUNK_BYTES) -> list[list]:
+    """The multipart messages that ship ``state``: ``begin``, its flattened buffer in
+    ``chunk_bytes`` chunks, ``end``. The sender emits exactly these (tests and tools may
+    feed them to a :class:`TransferAssembler` directly)."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    buf = state.flatten().cpu().numpy()
+    n = -(-buf.nbytes // chunk_bytes)
+    msgs = [[_header(type="begin", rid=rid, fingerprint=fingerprint, kinds=list(state.kinds),
+                     num_tokens=state.num_tokens, nbytes=buf.nbytes, chunks=n)]]
+    for i in range(n):
+        msgs.append([_header(type="chunk", rid=rid, index=i),
+                     buf[i * chunk_bytes:(i + 1) * chunk_bytes]])
     msgs.append([_header(type="end", rid=rid, first_token=first_token, logprob=logprob,
-                         num_layers=len(state.kinds))])
+                         chunks=n)])
     return msgs
 
 
 class _Partial:
     def __init__(self, meta: dict, now: float):
         self.meta, self.t0, self.last = meta, now, now
-        self.layers: dict[int, tuple] = {}
+        self.parts: list[bytes] = []
         self.nbytes = 0
 
 
@@ -131,7 +137,7 @@ class TransferAssembler:
     (its ``request_id`` attribute names it), or None.
     """
 
-    def __init__(self, fingerprint: str, kinds: list[str], num_layers_max: int = 4096):
+    def __init__(self, fingerprint: str, kinds: list[str]):
         self.fingerprint, self.kinds = fingerprint, list(kinds)
         self.partial: dict[str, _Partial] = {}
         self.rejected: dict[str, str] = {}           # rid -> reason (later messages dropped)
@@ -157,61 +163,73 @@ class TransferAssembler:
         if meta.get("v") != PROTOCOL:
             return self._reject(rid, f"protocol version {meta.get('v')}, expected {PROTOCOL}")
         if kind == "begin":
-            if meta.get("fingerprint") != self.fingerprint:
-                return self._reject(rid, f"model fingerprint {meta.get('fingerprint')!r} is "
-                                         f"not this worker's {self.fingerprint!r}")
-            if meta.get("kinds") != self.kinds:
-                return self._reject(rid, f"layout {meta.get('kinds')} is not this model's")
-            if rid in self.partial:
-                return self._reject(rid, "transfer began twice")
-            self.partial[rid] = _Partial(meta, now)
-            return None
+            return self._begin(rid, meta, now)
         p = self.partial.get(rid)
         if p is None:
             return self._reject(rid, f"{kind!r} message before 'begin' (partial transfer)")
         p.last = now
         if kind == "abort":
             return self._reject(rid, f"the sender aborted: {meta.get('reason')}")
-        if kind == "layer":
-            return self._layer(rid, p, meta, frames)
+        if kind == "chunk":
+            return self._chunk(rid, p, meta, frames)
         if kind == "end":
-            n = len(self.kinds)
-            if meta.get("num_layers") != n or len(p.layers) != n:
-                return self._reject(rid, f"partial transfer: {len(p.layers)} of {n} layers "
-                                         f"arrived (sender says {meta.get('num_layers')})")
-            del self.partial[rid]
-            kinds = [p.layers[i][0] for i in range(n)]
-            state = SequenceState(kinds, [p.layers[i][1] for i in range(n)],
-                                  p.meta["num_tokens"])
-            return Transfer(rid, state, int(meta["first_token"]), meta.get("logprob"),
-                            p.nbytes, now - p.t0)
+            return self._end(rid, p, meta, now)
         return self._reject(rid, f"unknown message type {kind!r}")
 
-    def _layer(self, rid, p, meta, frames):
-        i = meta.get("index")
-        if not isinstance(i, int) or not 0 <= i < len(self.kinds):
-            return self._reject(rid, f"layer index {i!r} out of range")
-        if i in p.layers:
-            return self._reject(rid, f"layer {i} arrived twice")
+    def _begin(self, rid, meta, now):
+        if meta.get("fingerprint") != self.fingerprint:
+            return self._reject(rid, f"model fingerprint {meta.get('fingerprint')!r} is "
+                                     f"not this worker's {self.fingerprint!r}")
+        if meta.get("kinds") != self.kinds:
+            return self._reject(rid, f"layout {meta.get('kinds')} is not this model's")
+        if rid in self.partial:
+            return self._reject(rid, "transfer began twice")
+        for key in ("num_tokens", "nbytes", "chunks"):
+            if not isinstance(meta.get(key), int) or meta[key] < 0:
+                return self._reject(rid, f"'begin' needs an int {key} >= 0, got "
+                                         f"{meta.get(key)!r}")
+        self.partial[rid] = _Partial(meta, now)
+        return None
+
+    def _chunk(self, rid, p, meta, frames):
+        i, want = meta.get("index"), len(p.parts)
+        if i != want:
+            return self._reject(rid, f"chunk {i!r} arrived, expected chunk {want} (missing or "
+                                     f"duplicated chunk)")
         if len(frames) != 2:
-            return self._reject(rid, f"layer {i}: expected 2 frames, got {len(frames)}")
+            return self._reject(rid, f"chunk {i}: expected 2 frames, got {len(frames)}")
         buf = memoryview(frames[1]).cast("B")
-        if buf.nbytes != meta.get("nbytes"):
-            return self._reject(rid, f"layer {i}: {buf.nbytes} bytes, header says "
-                                     f"{meta.get('nbytes')} (truncated)")
-        if zlib.crc32(buf) != meta.get("crc"):
-            return self._reject(rid, f"layer {i}: checksum mismatch (corrupt)")
-        try:
-            one = SequenceState.unflatten(torch.frombuffer(bytearray(buf), dtype=torch.uint8))
-        except ValueError as e:
-            return self._reject(rid, f"layer {i}: {e}")
-        if one.kinds != [self.kinds[i]] or one.num_tokens != p.meta["num_tokens"]:
-            return self._reject(rid, f"layer {i}: holds {one.kinds} x {one.num_tokens} "
-                                     f"tokens, expected {self.kinds[i]} x "
-                                     f"{p.meta['num_tokens']}")
-        p.layers[i] = (one.kinds[0], one.tensors[0])
+        if p.nbytes + buf.nbytes > p.meta["nbytes"]:
+            return self._reject(rid, f"chunk {i}: more bytes than the {p.meta['nbytes']} "
+                                     f"announced")
+        p.parts.append(bytes(buf))
         p.nbytes += buf.nbytes
         return None
+
+    def _end(self, rid, p, meta, now):
+        n, total = p.meta["chunks"], p.meta["nbytes"]
+        if meta.get("chunks") != n or len(p.parts) != n:
+            return self._reject(rid, f"partial transfer: {len(p.parts)} of {n} chunks "
+                                     f"arrived (sender says {meta.get('chunks')})")
+        if p.nbytes != total:
+            return self._reject(rid, f"{p.nbytes} bytes arrived, {total} announced "
+                                     f"(truncated)")
+        del self.partial[rid]
+        try:
+            state = SequenceState.unflatten(torch.frombuffer(bytearray(b"".join(p.parts)),
+                                                             dtype=torch.uint8))
+        except ValueError as e:
+            return self._reject(rid, f"state: {e}")
+        if state.kinds != self.kinds or state.num_tokens != p.meta["num_tokens"]:
+            return self._reject(rid, f"the state holds layers {state.kinds} x "
+                                     f"{state.num_tokens} tokens, 'begin' announced "
+                                     f"{self.kinds} x {p.meta['num_tokens']}")
+        try:
+            first = int(meta["first_token"])
+        except (KeyError, TypeError, ValueError):
+            return self._reject(rid, f"'end' needs an int first_token, got "
+                                     f"{meta.get('first_token')!r}")
+        return Transfer(rid, state, first, meta.get("logprob"), total, now - p.t0)
 
     def expire(self, older_than_s: float, now: float | None = None) -> list[TransferError]:
         """Reject transfers that have received nothing for ``older_than_s`` (stalled)."""

@@ -17,10 +17,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from hyla.disagg.sim import Deployment, SimConfig
-from hyla.disagg.sim_hardware import InstanceProfile, ModelSpec
-from hyla.disagg.sim_report import capacity, simulate_one
-from hyla.disagg.sim_workload import Request, SyntheticMix, load_trace
+from hyla.disagg.policy import RouterConfig
+from hyla.disagg.sim.hardware import InstanceProfile, ModelSpec
+from hyla.disagg.sim.model import Deployment, SimConfig
+from hyla.disagg.sim.report import capacity, simulate_one
+from hyla.disagg.sim.workload import Request, SyntheticMix, load_trace
 
 PUBLISHED_INPUTS = {
     "published": [
@@ -64,7 +65,7 @@ def published_deployments(*, homo_prefill: int = 10, prfaas_prefill: int = 3,
                             local_prefill=0, remote=h200, remote_instances=4),
         "prfaas": Deployment(name="prfaas", kind="prfaas", local=h20, local_instances=8,
                              local_prefill=prfaas_prefill, remote=h200, remote_instances=4,
-                             threshold=threshold, adapt=adapt),
+                             policy=RouterConfig(threshold=threshold, adapt=adapt)),
     }
 
 
@@ -118,7 +119,7 @@ def compare(model: ModelSpec, deployments: dict[str, Deployment], make, *,
 
 def with_rate_range(model: ModelSpec, deps: dict[str, Deployment]) -> tuple[float, float]:
     """A bisection range that brackets every deployment's capacity (from a fluid bound)."""
-    from hyla.disagg.sim_hardware import step_time
+    from hyla.disagg.sim.hardware import step_time
 
     best = 0.0
     for dep in deps.values():

@@ -1,6 +1,6 @@
 """KV throughput: Gbps of state/KV one prefill instance emits, dense vs hybrid models.
 
-A prefill instance (8 x H200, roofline of :mod:`hyla.disagg.sim_hardware`) prefills
+A prefill instance (8 x H200, roofline of :mod:`hyla.disagg.sim.hardware`) prefills
 ``tokens``-token prompts back to back; what it hands to decode per prompt is the attention
 layers' KV for every token plus the linear layers' fixed state. Divided by the prefill
 time, that is the egress rate the link must carry per busy prefill instance.
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hyla.disagg.sim_hardware import InstanceProfile, kv_gbps, published_1t_hybrid, step_time
+from hyla.disagg.sim.hardware import InstanceProfile, kv_gbps, published_1t_hybrid, step_time
 
 MIXES = {"dense": "A", "3:1 hybrid": "GGGA", "7:1 hybrid": "GGGGGGGA"}
 PUBLISHED_GBPS = {("1T", "dense (GQA)"): "33.35-59.93 (other dense models)",
@@ -31,7 +31,7 @@ PUBLISHED_GBPS = {("1T", "dense (GQA)"): "33.35-59.93 (other dense models)",
 
 
 def _hyla_spec(mix: str, pattern: str):
-    from hyla.disagg.sim_hardware import spec_from_config
+    from hyla.disagg.sim.hardware import spec_from_config
     from hyla.model.config import preset
 
     cfg = dataclasses.replace(preset("laplace-3b"), n_kv_heads=8)

@@ -2,7 +2,7 @@
 
 Request parsing, checks and response formatting are the single-server API's
 (:mod:`hyla.serve.api`), so a client cannot tell the cluster from one ``hyla serve``; the
-routing itself is :class:`hyla.disagg.live_router.LiveRouter`'s.
+routing itself is :class:`hyla.disagg.live.router.LiveRouter`'s.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from hyla.disagg.live_router import LiveRouter, WorkerFailed
+from hyla.disagg.live.router import LiveRouter, WorkerFailed
 from hyla.serve.api import (
     APIKeyMiddleware,
     prompt_token_ids,

@@ -2,7 +2,7 @@
 
 Each simulated instance (one model replica, e.g. 8 GPUs) runs a real
 :class:`hyla.serve.scheduler.Scheduler`, iteration by iteration: the scheduler picks the
-step's prefill chunks and decode batch, :func:`hyla.disagg.sim_hardware.step_time` prices
+step's prefill chunks and decode batch, :func:`hyla.disagg.sim.hardware.step_time` prices
 them, and the sequences advance with dummy tokens (``ignore_eos``; ``max_tokens`` from the
 trace). Every instance is simulated: no instance stands for a group.
 
@@ -11,9 +11,14 @@ Deployments (:class:`Deployment`), all prefill/decode disaggregated:
 - ``homogeneous``: one cluster, ``local_prefill`` of its instances prefill, the rest decode;
   the state moves inside the cluster (RDMA, ``intra_gbps`` per transfer, no contention).
 - ``naive``: every prefill runs in the remote cluster; all states cross the link.
-- ``prfaas``: the :class:`hyla.disagg.router.PrfaasRouter` sends long incremental prefills
-  to the remote cluster and keeps the rest on the local prefill instances; it observes the
-  link and both queues every ``observe_s`` and moves its threshold.
+- ``prfaas``: the routing policy (:class:`hyla.disagg.policy.PrfaasRouter`, built by
+  :func:`hyla.disagg.policy.build_policy` from ``Deployment.policy`` as the live router
+  builds its own) sends long incremental prefills to the remote cluster and keeps the rest
+  on the local prefill instances; it observes the link and both queues every ``observe_s``
+  and moves its threshold.
+
+In every deployment the policy's ``pick`` chooses the instance of a pool that gets a
+request (the least queued prefill, then the fewest requests), as it chooses live workers.
 
 ``colocated=True`` makes every local instance a PD instance, as a hyla PD worker is: one
 scheduler that prefills local requests and decodes everything, in mixed steps (then
@@ -23,7 +28,7 @@ snapshot boundaries (the engine's prefix cache), ``prefill_max_seqs=1`` makes a 
 instance serial (a hyla prefill worker), and ``request_latency_s`` delays every request by
 the serving path's fixed cost (HTTP hops, router, tokenizer), measured on the idle system.
 ``host_cores`` > 0 puts every instance on one machine's CPU cores
-(:class:`hyla.disagg.sim_cpu.HostCPU`, processor sharing): engine steps, ``request_cpu_s``
+(:class:`hyla.disagg.sim.cpu.HostCPU`, processor sharing): engine steps, ``request_cpu_s``
 of serving work per request (before it is placed) and ``token_cpu_s`` per streamed token
 (in the background) all share them.
 
@@ -42,14 +47,15 @@ samples its first token; TPOT is the mean time per later token.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import simpy
 
-from hyla.disagg.router import LOCAL, REMOTE, PrfaasRouter, RouterConfig
-from hyla.disagg.sim_cpu import HostCPU
-from hyla.disagg.sim_hardware import InstanceProfile, ModelSpec, step_time
-from hyla.disagg.sim_workload import Request
+from hyla.disagg.policy import LOCAL, REMOTE, RouterConfig, build_policy
+from hyla.disagg.sim.cpu import HostCPU
+from hyla.disagg.sim.hardware import InstanceProfile, ModelSpec, step_time
+from hyla.disagg.sim.metrics import summarize
+from hyla.disagg.sim.workload import Request
 from hyla.serve.scheduler import Scheduler, SchedulerConfig
 from hyla.serve.sequence import SamplingParams, Sequence
 
@@ -60,7 +66,9 @@ KINDS = ("homogeneous", "naive", "prfaas")
 class Deployment:
     """Hardware and policy of one deployment. ``local_prefill``: local instances that
     prefill (the rest decode). ``remote``: instances of the remote prefill cluster.
-    ``colocated``: every local instance prefills and decodes (``local_prefill`` = 0)."""
+    ``colocated``: every local instance prefills and decodes (``local_prefill`` = 0).
+    ``policy``: the routing policy's knobs (threshold, adaptation; its ``link_gbps`` is
+    replaced by the simulated link's, ``SimConfig.link_gbps``)."""
 
     name: str
     kind: str
@@ -69,8 +77,7 @@ class Deployment:
     local_prefill: int
     remote: InstanceProfile | None = None
     remote_instances: int = 0
-    threshold: int = 19_400
-    adapt: bool = True
+    policy: RouterConfig = field(default_factory=RouterConfig)
     colocated: bool = False
 
     def __post_init__(self) -> None:
@@ -108,7 +115,6 @@ class SimConfig:
     ttft_base_s: float = 2.0        # SLO: TTFT <= base + incremental tokens / ttft_tok_s
     ttft_tok_s: float = 2_000.0
     tpot_slo_s: float = 0.1
-    router: RouterConfig | None = None
     prefill_max_seqs: int = 16      # sequences a prefill instance batches in one step
     snapshot_interval: int = 0      # > 0: cut local prefill chunks as hyla's prefix cache does
     request_latency_s: float = 0.0  # fixed serving-path delay before a request is placed
@@ -164,6 +170,11 @@ class Instance:
     def load(self) -> int:
         return self.sched.num_running + self.sched.num_waiting
 
+    @property
+    def inflight(self) -> int:
+        """Requests it holds (what the policy's ``pick`` weighs after queued tokens)."""
+        return self.sched.num_running + self.sched.num_waiting
+
     def run(self):
         env, m = self.sim.env, self.sim.model
         while True:
@@ -210,11 +221,8 @@ class Sim:
         self.decode = [Instance(self, f"d{i}", dep.local, role) for i in range(n_dec)]
         self.remote_p = [Instance(self, f"rp{i}", dep.remote, "prefill")
                          for i in range(dep.remote_instances)] if dep.remote else []
-        rc = self.cfg.router or RouterConfig()
-        rc = dataclasses.replace(rc, threshold=dep.threshold, adapt=dep.adapt,
-                                 link_gbps=self.cfg.link_gbps,
-                                 t_min=min(rc.t_min, dep.threshold))
-        self.router = PrfaasRouter(rc)
+        self.router = build_policy(dataclasses.replace(dep.policy,
+                                                       link_gbps=self.cfg.link_gbps))
         self.reqs: dict[str, Request] = {}
         self.rec: dict[str, dict] = {}
         self.cache = {LOCAL: {}, REMOTE: {}}      # session -> cached prefix tokens
@@ -256,7 +264,7 @@ class Sim:
                          "incremental": r.prompt_len - cached}
         pd = cluster == LOCAL and self.dep.colocated
         pool = self.remote_p if cluster == REMOTE else (self.decode if pd else self.local_p)
-        inst = min(pool, key=lambda i: (i.queued_tokens, i.load()))
+        inst = self.router.pick(pool)
         # A PD instance's prefix cache hashes the prompt: give every request its own ids.
         ids = [r.rid + 1] * r.prompt_len if pd and self.cfg.snapshot_interval else \
             _prompt(r.prompt_len)
@@ -300,7 +308,7 @@ class Sim:
         dseq.num_computed_tokens = r.prompt_len
         dseq.output_ids.append(0)
         dseq.external_state = True
-        min(self.decode, key=Instance.load).add(dseq)
+        self.router.pick(self.decode, prefill=False).add(dseq)
 
     def _finish(self, rid: str) -> None:
         self.rec[rid]["done"] = self.env.now
@@ -337,7 +345,6 @@ class Sim:
         self._done = done = self.env.event()
         self.env.run(until=done if horizon_s is None else simpy.AnyOf(
             self.env, [done, self.env.timeout(horizon_s)]))
-        from hyla.disagg.sim_report import summarize
         return summarize(self, requests)
 
 

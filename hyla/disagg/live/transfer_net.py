@@ -1,11 +1,11 @@
 """The sockets of a state transfer: :class:`StateSender` (prefill side, zmq PUSH) and
 :class:`StateReceiver` (decode side, zmq PULL). The wire format and its checks live in
-:mod:`hyla.disagg.transfer`.
+:mod:`hyla.disagg.live.transfer`.
 
 Each side owns one background thread that alone touches its zmq sockets (they are not
-thread-safe). The sender's thread also flattens, checksums and paces each layer, so the
-prefill thread that calls :meth:`Outgoing.layer` goes straight on to the next layer:
-transfer overlaps compute.
+thread-safe). The sender's thread also flattens, chunks and paces each state, so the
+prefill thread that calls :meth:`StateSender.send` goes straight on to the next prompt:
+shipping one state overlaps prefilling the next.
 
 Example:
     >>> import asyncio
@@ -14,10 +14,8 @@ Example:
     >>> st = SequenceState.empty(preset("debug"))
     >>> rx = StateReceiver("fp", st.kinds)
     >>> tx = StateSender("fp")
-    >>> out = tx.start("r1", rx.address, st.kinds, 0)
-    >>> for i, ts in enumerate(st.tensors): out.layer(i, st.kinds[i], ts)
-    >>> out.end(first_token=3); out.wait(10)["layers"]
-    4
+    >>> tx.send("r1", rx.address, st, first_token=3).wait(10)["chunks"]
+    1
     >>> asyncio.run(rx.wait("r1", 10)).first_token
     3
     >>> tx.close(); rx.close()
@@ -30,39 +28,30 @@ import os
 import queue
 import threading
 import time
-import zlib
 
 import zmq
 
-from hyla.disagg.transfer import (
+from hyla.disagg.live.transfer import (
+    CHUNK_BYTES,
     EgressMeter,
     LinkLimiter,
     Transfer,
     TransferAssembler,
     TransferError,
     _header,
-    layer_buffer,
+    encode_transfer,
 )
+from hyla.model.state import SequenceState
 
 
 class Outgoing:
-    """One transfer being sent; methods enqueue and return at once."""
+    """One transfer queued on a :class:`StateSender`; :meth:`wait` for it to be sent."""
 
-    def __init__(self, sender: StateSender, rid: str, dest: str):
-        self.sender, self.rid, self.dest = sender, rid, dest
+    def __init__(self, rid: str, dest: str):
+        self.rid, self.dest = rid, dest
         self.done = threading.Event()
-        self.stats = {"bytes": 0, "layers": 0, "seconds": 0.0, "error": None}
+        self.stats = {"bytes": 0, "chunks": 0, "seconds": 0.0, "error": None}
         self.t0 = time.perf_counter()
-
-    def layer(self, index: int, kind: str, tensors: tuple) -> None:
-        """Queue layer ``index`` (``tensors`` must not change afterwards: pass copies)."""
-        self.sender._q.put((self, "layer", (index, kind, tensors)))
-
-    def end(self, first_token: int, logprob: dict | None = None) -> None:
-        self.sender._q.put((self, "end", (first_token, logprob)))
-
-    def abort(self, reason: str) -> None:
-        self.sender._q.put((self, "abort", reason))
 
     def wait(self, timeout: float | None = None) -> dict:
         """Block until every message was handed to zmq; the transfer's stats."""
@@ -72,29 +61,32 @@ class Outgoing:
 
 
 class StateSender:
-    """Sends states to decode workers' :class:`StateReceiver` addresses.
+    """Sends states to decode workers' :class:`StateReceiver` addresses, one at a time, in
+    the order :meth:`send` was called.
 
     ``link_gbps`` paces the bytes (None: unlimited). ``faults`` (a dict, for tests) may hold
-    ``corrupt`` (flip a byte of the next transfer's layer 0), ``drop_after_layer`` (send
-    layers up to that index of the next transfer, then nothing more: a stalled transfer)
-    and ``fingerprint`` (announce this instead: a mismatched model).
+    ``corrupt`` (flip the last byte of the next transfer's buffer), ``stall_after_chunks``
+    (send that many chunks of the next transfer, then nothing more, not even ``end``: a
+    stalled transfer) and ``fingerprint`` (announce this instead: a mismatched model).
     """
 
-    def __init__(self, fingerprint: str, link_gbps: float | None = None):
-        self.fingerprint = fingerprint
+    def __init__(self, fingerprint: str, link_gbps: float | None = None,
+                 chunk_bytes: int = CHUNK_BYTES):
+        self.fingerprint, self.chunk_bytes = fingerprint, chunk_bytes
         self.limiter = LinkLimiter(link_gbps)
         self.meter = EgressMeter()
         self.faults: dict = {}
         self._ctx = zmq.Context.instance()
         self._socks: dict[str, zmq.Socket] = {}
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._dropping: set[str] = set()
         self._thread = threading.Thread(target=self._loop, name="hyla-sender", daemon=True)
         self._thread.start()
 
-    def start(self, rid: str, dest: str, kinds: list[str], num_tokens: int) -> Outgoing:
-        out = Outgoing(self, rid, dest)
-        self._q.put((out, "begin", (list(kinds), int(num_tokens))))
+    def send(self, rid: str, dest: str, state: SequenceState, first_token: int,
+             logprob: dict | None = None) -> Outgoing:
+        """Queue ``state`` (which must not change afterwards) for ``dest``; returns at once."""
+        out = Outgoing(rid, dest)
+        self._q.put((out, (state, int(first_token), logprob)))
         return out
 
     def close(self) -> None:
@@ -111,8 +103,6 @@ class StateSender:
         return s
 
     def _send(self, out: Outgoing, frames: list) -> None:
-        if out.rid in self._dropping:
-            return
         n = sum(memoryview(f).nbytes for f in frames)
         self.limiter.acquire(n)
         self._sock(out.dest).send_multipart(frames, copy=False)
@@ -124,47 +114,38 @@ class StateSender:
             item = self._q.get()
             if item is None:
                 break
-            out, kind, arg = item
+            out, arg = item
             try:
-                self._handle(out, kind, arg)
+                self._ship(out, *arg)
             except Exception as e:  # noqa: BLE001 - reported to the waiting prefill job
                 out.stats["error"] = repr(e)
-                out.done.set()
+                if out.stats["bytes"]:          # the receiver began it: tell it to give up
+                    try:
+                        self._sock(out.dest).send_multipart(
+                            [_header(type="abort", rid=out.rid, reason=repr(e))])
+                    except zmq.ZMQError:
+                        pass
+            out.stats["seconds"] = time.perf_counter() - out.t0
+            out.done.set()
         for s in self._socks.values():
             s.close(linger=0)
 
-    def _handle(self, out: Outgoing, kind: str, arg) -> None:
-        f, rid = self.faults, out.rid
-        if kind == "begin":
-            kinds, n = arg
-            fp = f.pop("fingerprint", None) or self.fingerprint
-            out.num_tokens = n
-            out.corrupt = f.pop("corrupt", False)
-            out.drop_after = f.pop("drop_after_layer", None)
-            self._send(out, [_header(type="begin", rid=rid, fingerprint=fp, kinds=kinds,
-                                     num_tokens=n)])
-        elif kind == "layer":
-            i, lk, tensors = arg
-            buf = layer_buffer(lk, tensors, out.num_tokens).numpy()
-            crc = zlib.crc32(buf)
-            if getattr(out, "corrupt", False) and i == 0:
-                buf = buf.copy()
-                buf[-1] ^= 0xFF
-            self._send(out, [_header(type="layer", rid=rid, index=i, nbytes=buf.nbytes,
-                                     crc=crc), buf])
-            out.stats["layers"] += 1
-            if out.drop_after is not None and i >= out.drop_after:
-                self._dropping.add(rid)
-        else:
-            if kind == "end":
-                first, lp = arg
-                self._send(out, [_header(type="end", rid=rid, first_token=first, logprob=lp,
-                                         num_layers=out.stats["layers"])])
-            else:
-                self._send(out, [_header(type="abort", rid=rid, reason=str(arg))])
-            self._dropping.discard(rid)
-            out.stats["seconds"] = time.perf_counter() - out.t0
-            out.done.set()
+    def _ship(self, out: Outgoing, state: SequenceState, first: int, lp: dict | None) -> None:
+        f = self.faults
+        fp = f.pop("fingerprint", None) or self.fingerprint
+        corrupt = f.pop("corrupt", False)
+        stall = f.pop("stall_after_chunks", None)
+        msgs = encode_transfer(out.rid, fp, state, first, lp, self.chunk_bytes)
+        if corrupt:
+            last = msgs[-2]
+            last[1] = last[1].copy()
+            last[1][-1] ^= 0xFF
+        if stall is not None:
+            msgs = msgs[:1 + int(stall)]
+            msgs = [m for m in msgs if len(m) == 2 or m is msgs[0]]   # never the 'end'
+        for m in msgs:
+            self._send(out, m)
+            out.stats["chunks"] += len(m) == 2
 
 
 class StateReceiver:

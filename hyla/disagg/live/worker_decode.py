@@ -22,9 +22,9 @@ import os
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from hyla.disagg.transfer import TransferError, model_fingerprint
-from hyla.disagg.transfer_net import StateReceiver, fault_injection_enabled
-from hyla.disagg.worker_prefill import logprob_to_dict, params_from_dict
+from hyla.disagg.live.transfer import TransferError, model_fingerprint
+from hyla.disagg.live.transfer_net import StateReceiver, fault_injection_enabled
+from hyla.disagg.live.worker_prefill import logprob_to_dict, params_from_dict
 from hyla.serve.api_schemas import error_body
 from hyla.serve.async_engine import AsyncEngine, QueueFull
 
@@ -137,6 +137,7 @@ def build_decode_worker(model, tok, name: str, engine_config, *, max_waiting: in
                         api_key: str | None = None, transfer_bind: str = "tcp://127.0.0.1:0",
                         advertise_host: str | None = None, stall_s: float = 30.0):
     """(app, async engine, receiver) of a decode worker; the caller shuts both down."""
+    from hyla.model.state import SequenceState
     from hyla.serve.api import create_app
     from hyla.serve.engine import Engine
     from hyla.serve.sequence import SamplingParams
@@ -145,7 +146,7 @@ def build_decode_worker(model, tok, name: str, engine_config, *, max_waiting: in
     engine.generate([[0]], SamplingParams(max_tokens=2, temperature=0))     # warm-up
     async_engine = AsyncEngine(engine, max_waiting=max_waiting)
     fp = model_fingerprint(model)
-    receiver = StateReceiver(fp, [b.kind for b in model.blocks], bind=transfer_bind,
+    receiver = StateReceiver(fp, SequenceState.empty(model.cfg).kinds, bind=transfer_bind,
                              stall_s=stall_s, advertise_host=advertise_host)
     app = create_app(async_engine, model_name=name, api_key=api_key)
     add_decode_routes(app, async_engine, receiver, fp, api_key)
