@@ -169,18 +169,22 @@ def load_model(args: argparse.Namespace, out: Console):
 def memory_table(report: dict) -> Table:
     """``hyla memory``'s table of a :func:`hyla.eval.memory.memory_report`."""
     name = report["preset"] or "config"
-    kv = "bf16" if report["kv_dtype"] == "bfloat16" else report["kv_dtype"]
     table = Table(title=f"Per-sequence memory of {name} at {report['context']:,} tokens")
     table.add_column("")
     table.add_column("hybrid", justify="right")
     table.add_column("all-attention", justify="right")
-    br, layers = report["state_breakdown"], report["layers"]
-    n = layers["gla"] + layers["attention"]
-    table.add_row("layers", f"{layers['gla']} GLA + {layers['attention']} attention",
-                  f"{n} attention")
-    table.add_row("GLA state (fp32)", format_bytes(br["gla"]), "-")
-    table.add_row(f"attention KV ({kv})", format_bytes(br["attention"]),
-                  format_bytes(report["kv_bytes"]))
+    kinds = report["kinds"]
+
+    def short(dtype: str) -> str:
+        return "bf16" if dtype == "bfloat16" else "fp32" if dtype == "float32" else dtype
+
+    table.add_row("layers", " + ".join(f"{r['layers']} {r['label']}" for r in kinds
+                                       if r["layers"]),
+                  " + ".join(f"{r['baseline_layers']} {r['label']}" for r in kinds
+                             if r["baseline_layers"]))
+    for r in kinds:
+        table.add_row(f"{r['state_label']} ({short(r['dtype'])})", format_bytes(r["bytes"]),
+                      format_bytes(r["baseline_bytes"]) if r["baseline_layers"] else "-")
     table.add_row("[bold]per sequence[/]", f"[bold]{format_bytes(report['state_bytes'])}[/]",
                   f"[bold]{format_bytes(report['kv_bytes'])}[/]")
     table.add_row("bytes", f"{report['state_bytes']:,}", f"{report['kv_bytes']:,}")

@@ -139,6 +139,26 @@ def all_attention(cfg: HylaConfig) -> HylaConfig:
     return dataclasses.replace(cfg, layers=AttentionMixer.letter * cfg.n_layers)
 
 
+def _kind_rows(cfg: HylaConfig, context: int, kv_dtype: torch.dtype) -> list[dict]:
+    """Per layer kind in the hybrid or its all-attention baseline: its label, layer counts
+    and state bytes in both, and the dtype its state is kept in."""
+    base = all_attention(cfg)
+    hybrid, baseline = state_bytes(cfg, context, kv_dtype), state_bytes(base, context, kv_dtype)
+    rows = []
+    letters = sorted(MIXERS, key=lambda c: (cfg.layers + base.layers + c).index(c))
+    for letter in letters:          # in the order the hybrid's layers first use them
+        mixer = MIXERS[letter]
+        n, nb = cfg.layers.count(letter), base.layers.count(letter)
+        if n or nb:
+            spec = mixer.state_spec(cfg)
+            dtypes = {str(e.resolve(kv_dtype)).removeprefix("torch.") for e in spec.entries}
+            rows.append({"kind": mixer.kind, "label": mixer.label, "layers": n,
+                         "baseline_layers": nb, "bytes": hybrid[mixer.kind],
+                         "baseline_bytes": baseline[mixer.kind],
+                         "state_label": mixer.state_label, "dtype": "/".join(sorted(dtypes))})
+    return rows
+
+
 def _fit(budget_bytes: float | None, weight_bytes: int, per_sequence: int) -> int | None:
     if budget_bytes is None:
         return None
@@ -160,6 +180,7 @@ def memory_report(cfg: HylaConfig | str, context: int | str, budget_gib: float |
     all-attention baseline (its own weights, from its own meta-device parameter count).
 
     Keys: ``preset``, ``context``, ``state_bytes``, ``state_breakdown`` (by layer kind),
+    ``kinds`` (a row per layer kind in either model: label, layers, bytes, dtype),
     ``layers`` (count by kind), ``kv_bytes``, ``ratio`` (kv / state), ``params``,
     ``weight_bytes``, ``attention_params``, ``attention_weight_bytes``, ``budget_gib``,
     ``sequences_fit`` ({"hybrid", "attention"}, None without a budget), ``kv_dtype``,
@@ -193,6 +214,7 @@ def memory_report(cfg: HylaConfig | str, context: int | str, budget_gib: float |
         "context": n,
         "state_bytes": state["total"],
         "state_breakdown": {m.kind: state[m.kind] for m in MIXERS.values()},
+        "kinds": _kind_rows(cfg, n, kv_dtype),
         "layers": {m.kind: cfg.layers.count(k) for k, m in MIXERS.items()},
         "kv_bytes": kv,
         "ratio": kv / state["total"],

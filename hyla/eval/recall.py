@@ -33,9 +33,9 @@ from torch import nn
 from hyla.eval.memory import state_bytes
 from hyla.eval.mqar import IGNORE, check_mqar_args, mqar
 from hyla.eval.recall_model import build_model
-from hyla.model import HylaConfig
+from hyla.model import MIXERS, HylaConfig
 
-MIXERS = {"GG": "GLA only", "GA": "hybrid (GLA + attention)", "AA": "attention only"}
+DESCRIPTIONS = {"GG": "GLA only", "GA": "hybrid (GLA + attention)", "AA": "attention only"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,8 +69,8 @@ class RecallPreset:
         for shape in (*self.train, *self.test):
             check_mqar_args(self.vocab_size, *shape)
         for m in self.mixers:
-            if not m or set(m) - {"G", "A"}:
-                raise ValueError(f"mixers must be layer strings of 'G'/'A', got {m!r}")
+            if not m or set(m) - set(MIXERS):
+                raise ValueError(f"mixers must be layer strings of {sorted(MIXERS)}, got {m!r}")
         if not self.lrs or any(lr <= 0 for lr in self.lrs):
             raise ValueError(f"lrs must be positive learning rates, got {self.lrs}")
         for name in ("train_steps", "batch_size", "test_examples"):
@@ -207,7 +207,7 @@ def run_recall(p: RecallPreset, seed: int = 0,
             rows = []
             for i, (seq_len, pairs) in enumerate(p.test):
                 acc = accuracy(model, seq_len, pairs, p.test_examples, seed=seed * 101 + i)
-                rows.append({"mixer": layers, "description": MIXERS.get(layers, layers),
+                rows.append({"mixer": layers, "description": DESCRIPTIONS.get(layers, layers),
                              "seq_len": seq_len, "num_kv_pairs": pairs, "accuracy": acc,
                              "state_bytes": _state_bytes(p, cfg, seq_len),
                              "lr": lr, "seed": seed, "d_model": p.d_model, "params": params,

@@ -35,7 +35,7 @@ def _hyla_spec(mix: str, pattern: str):
     from hyla.model.config import preset
 
     cfg = dataclasses.replace(preset("laplace-3b"), n_kv_heads=8)
-    cfg = dataclasses.replace(cfg, layers=(pattern * 24)[:24] if pattern != "A" else "A" * 24)
+    cfg = dataclasses.replace(cfg, layers=(pattern * 24)[:24])
     return spec_from_config(cfg, name=f"laplace-3b shape ({mix})")
 
 

@@ -4,7 +4,7 @@
 A new kind is one module that subclasses :class:`Mixer` and registers its letter.
 """
 
-from hyla.model.mixers.attention import AttentionMixer  # noqa: I001  (G before A, as in docs)
+from hyla.model.mixers.attention import AttentionMixer
 from hyla.model.mixers.base import (
     MIXERS,
     Mixer,

@@ -29,6 +29,7 @@ class AttentionMixer(Mixer):
     """
 
     kind = "attention"
+    state_label = "attention KV"
 
     def __init__(self, cfg, layer_idx: int = 0):
         super().__init__(cfg, layer_idx)

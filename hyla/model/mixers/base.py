@@ -93,7 +93,9 @@ class Mixer(nn.Module):
     """
 
     letter: ClassVar[str] = ""
-    kind: ClassVar[str] = ""
+    kind: ClassVar[str] = ""            # a readable identifier: "gla", "attention"
+    label: ClassVar[str] = ""           # for people: "GLA"; defaults to the kind
+    state_label: ClassVar[str] = ""     # what its state is called: "GLA state"
 
     def __init__(self, cfg, layer_idx: int = 0):
         super().__init__()
@@ -193,6 +195,8 @@ def register_mixer(letter: str):
         if cls.kind in taken:
             raise ValueError(f"kind {cls.kind!r} is taken by letter {taken[cls.kind]!r}")
         cls.letter = letter
+        cls.label = cls.__dict__.get("label") or cls.kind
+        cls.state_label = cls.__dict__.get("state_label") or f"{cls.label} state"
         MIXERS[letter] = cls
         return cls
 

@@ -43,6 +43,7 @@ class GLAMixer(Mixer):
     """
 
     kind = "gla"
+    label = "GLA"
 
     def __init__(self, cfg, layer_idx: int = 0):
         super().__init__(cfg, layer_idx)
