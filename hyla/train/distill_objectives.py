@@ -20,10 +20,11 @@ from hyla.train.objectives import Batch, LossObjective
 class AttentionTransfer:
     """Stage 1: per-layer attention transfer from a frozen teacher.
 
-    The teacher's blocks run once over the batch; at every layer in ``transfer`` the student's
-    mixer is scored against the teacher's (normalised output MSE, plus StreamKL on the
-    attention distributions for compressed attention layers) and backpropagated at once, so
-    only one layer's graph lives at a time and long sequences fit.
+    The teacher runs once over the batch (hooks keep each transferred layer's mixer input and
+    output); then at every layer in ``transfer`` the student's mixer is scored against the
+    teacher's on that input (normalised output MSE, plus StreamKL on the attention
+    distributions for compressed attention layers) and backpropagated at once, so only one
+    layer's graph lives at a time and long sequences fit.
 
     Args:
         teacher: the all-attention HylaLM (frozen).
@@ -55,23 +56,26 @@ class AttentionTransfer:
             raise ValueError(f"attention transfer takes one micro-batch a step, got accum={accum}")
         ids, _, cu = batch
         ctx = Context.train(ids, cu)
-        student = self.student.blocks
+        # One teacher forward; hooks keep what enters and leaves each transferred mixer.
+        seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        hooks = [self.teacher.blocks[i].mixer.register_forward_hook(
+            lambda _m, args, out, i=i: seen.__setitem__(i, (args[0], out)))
+            for i in self.transfer]
+        try:
+            with torch.no_grad():
+                self.teacher(ids, ctx, hidden=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
         layers = {}
-        with torch.no_grad():
-            x = self.teacher.embed(ids)
-        for i, t_block in enumerate(self.teacher.blocks):
-            with torch.no_grad():
-                h = t_block.mixer_norm(x)
-                y_t = t_block.mixer(h, ctx)
-            if i in self.transfer:
-                loss, parts = layer_transfer_loss(t_block.mixer, student[i].mixer, h,
-                                                  ctx.positions, ctx.cu_seqlens,
-                                                  kl_weight=self.kl_weight, y_teacher=y_t)
-                loss.backward()
-                layers[str(i)] = {"loss": loss.item(), **parts}
-            with torch.no_grad():
-                x = x + y_t
-                x = x + t_block.mlp(t_block.mlp_norm(x))
+        for i in self.transfer:
+            h, y_t = seen.pop(i)
+            loss, parts = layer_transfer_loss(self.teacher.blocks[i].mixer,
+                                              self.student.blocks[i].mixer, h, ctx.positions,
+                                              ctx.cu_seqlens, kl_weight=self.kl_weight,
+                                              y_teacher=y_t)
+            loss.backward()
+            layers[str(i)] = {"loss": loss.item(), **parts}
         return {"loss": sum(v["loss"] for v in layers.values()) / len(layers), "layers": layers}
 
     def clip_groups(self) -> list[list[nn.Parameter]]:
