@@ -37,8 +37,8 @@ def machine_info() -> dict[str, Any]:
 
     Example:
         >>> info = machine_info()
-        >>> sorted(info)[:3]
-        ['cores', 'cpu', 'cuda_device']
+        >>> {"cpu", "cores", "cuda_device", "torch"} <= set(info)
+        True
     """
     import numpy
 
@@ -168,7 +168,12 @@ def print_table(title: str, rows: Sequence[dict], *, console: Any = None) -> Non
     """Print ``rows`` (dicts sharing keys) as a rich table; columns in first-seen key order.
 
     Example:
-        >>> print_table("demo", [{"n": 1, "seconds": 0.5}])  # doctest: +SKIP
+        >>> import io
+        >>> from rich.console import Console
+        >>> out = Console(file=io.StringIO(), width=40)
+        >>> print_table("demo", [{"n": 1, "seconds": 0.5}], console=out)
+        >>> "seconds" in out.file.getvalue()
+        True
     """
     from rich.console import Console
     from rich.table import Table

@@ -54,8 +54,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``hyla`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status.
 
     Example:
-        >>> main(["memory", "--preset", "debug", "--context", "1K", "--json"])  # doctest: +SKIP
-        0
+        >>> import contextlib, io, json
+        >>> out = io.StringIO()
+        >>> with contextlib.redirect_stdout(out):
+        ...     status = main(["memory", "--preset", "debug", "--context", "1K", "--json"])
+        >>> status, json.loads(out.getvalue())["context"]
+        (0, 1024)
     """
     err = Console(stderr=True)
     tune_cpu_allocator()  # a CLI run owns its process: keep freed memory for reuse

@@ -176,9 +176,16 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     """Load a transformers causal-LM directory as (all-attention HylaLM in eval mode, tokenizer).
 
     Example:
-        >>> model, tok = load_hf("path/to/llama")  # doctest: +SKIP
-        >>> model.cfg.layers                        # doctest: +SKIP
-        'AAAAAAAAAAAAAAAA'
+        >>> import tempfile, tokenizers, transformers
+        >>> path = tempfile.mkdtemp()
+        >>> transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        ...     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        ...     num_attention_heads=4, num_key_value_heads=2)).save_pretrained(path)
+        >>> words = tokenizers.models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>")
+        >>> tokenizers.Tokenizer(words).save(f"{path}/tokenizer.json")
+        >>> model, tok = load_hf(path)
+        >>> model.cfg.layers, model.cfg.vocab_size, tok.encode("hi")
+        ('AA', 64, [1])
     """
     root = pathlib.Path(path)
     if not (root / "config.json").is_file():

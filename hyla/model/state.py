@@ -148,7 +148,7 @@ class SequenceState:
     def bytes_by_kind(self) -> dict[str, int]:
         """Payload bytes split by layer kind: {"gla": ..., "attention": ...}, one key per
         registered mixer kind (0 where the model has none)."""
-        out = dict.fromkeys([m.kind for m in MIXERS.values()] + self.kinds, 0)
+        out = dict.fromkeys(self.kinds + [m.kind for m in MIXERS.values()], 0)
         for kind, ts in zip(self.kinds, self.tensors, strict=True):
             out[kind] += sum(t.numel() * t.element_size() for t in ts)
         return out

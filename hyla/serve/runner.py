@@ -40,7 +40,6 @@ class Runner:
     def __init__(self, model: HylaLM, *, max_num_seqs: int, num_kv_blocks: int,
                  block_size: int = 16, num_snapshots: int = 0, compile: bool = False):
         self.model = model
-        cfg = model.cfg
         p = model.embed.weight
         self.device, self.dtype = p.device, p.dtype
         self.block_size = block_size

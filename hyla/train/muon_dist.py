@@ -52,9 +52,15 @@ class DistMuon(torch.optim.Optimizer):
     the gradient's) is what travels; ``counter`` holds the bytes, ``ns_flops_total`` the NS
     FLOPs.
 
-    Example (inside an initialised process group):
-        >>> opt = DistMuon(model_matrices, strategy="all_to_all")  # doctest: +SKIP
-        >>> opt.step([shard_rows(p.grad, rank, world) for p in model_matrices])  # doctest: +SKIP
+    Example (a one-rank gloo group; with W ranks each passes its own shards):
+        >>> import tempfile
+        >>> store = dist.FileStore(tempfile.mktemp(), 1)
+        >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        >>> w = torch.nn.Parameter(torch.randn(8, 4)); w.grad = torch.randn(8, 4)
+        >>> before = w.detach().clone()
+        >>> DistMuon([w], strategy="all_to_all").step([shard_rows(w.grad, 0, 1)])
+        >>> dist.destroy_process_group(); bool((w != before).any())
+        True
     """
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict], *,

@@ -349,9 +349,9 @@ def triton_attention_kl(q_t, k_t, q_s, k_s, *, scale_t=None, scale_s=None, causa
         KL in float32 (float64 only through the fallback); gradients flow to q_s, k_s and,
         when they require grad, q_t and k_t.
 
-    Example:
-        >>> q = torch.randn(1, 100, 4, 16, device="cuda"); k = torch.randn(1, 100, 2, 16,
-        ...     device="cuda")
+    Example (on a CPU the chunk backend answers):
+        >>> dev = "cuda" if torch.cuda.is_available() else "cpu"
+        >>> q = torch.randn(1, 100, 4, 16, device=dev); k = torch.randn(1, 100, 2, 16, device=dev)
         >>> kl = triton_attention_kl(q, k, q + 0.1 * torch.randn_like(q), k)
         >>> kl.shape, bool(kl > 0)
         (torch.Size([]), True)
