@@ -37,13 +37,12 @@ def step_times(model, batch: int, contexts, steps: int, block_size: int = 64) ->
     """Median decode step seconds per context, contexts interleaved step by step on one
     runner (so allocation and drift hit every context alike)."""
     per_seq = -(-(max(contexts) + 2) // block_size)
-    attn = "A" in model.cfg.layers
+    attn = any(spec.per_token for spec in model.state_specs)     # a KV cache to page
     r = Runner(model, max_num_seqs=batch, num_kv_blocks=batch * per_seq if attn else 0,
                block_size=block_size)
-    for s in r.states.values():
-        s.normal_()
-    for c in (*r.k_cache.values(), *r.v_cache.values()):
-        c.normal_()
+    for layer in r.buffers:
+        for buf in layer.values():
+            buf.normal_()
     full = [list(range(b * per_seq, (b + 1) * per_seq)) if attn else [] for b in range(batch)]
     times: dict[int, list[float]] = {c: [] for c in contexts}
     for i in range(steps + 1):

@@ -11,7 +11,6 @@ entries as ``[slots, *shape]``, growing entries paged as ``[blocks, block_size, 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +41,6 @@ class Context:
     token_blocks: torch.Tensor | None = None   # the block and offset each new token's row
     token_offsets: torch.Tensor | None = None  #   goes to in a growing buffer
     logits_at: torch.Tensor | None = None      # rows to compute logits for (None: all)
-    on_layer: Callable[[int], None] | None = None  # called once a layer's state is final
 
     # -- builders ------------------------------------------------------------------------
     @classmethod

@@ -101,13 +101,11 @@ class HylaLM(nn.Module):
         elif cu_seqlens is not None:
             raise ValueError("pass cu_seqlens inside the Context, not beside it")
         x = self.embed(input_ids)
-        for i, block in enumerate(self.blocks):
+        for block in self.blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, ctx, use_reentrant=False)
             else:
                 x = block(x, ctx)
-            if ctx.on_layer is not None:
-                ctx.on_layer(i)
         if ctx.logits_at is not None:
             x = x[:, ctx.logits_at]
         x = self.norm(x)

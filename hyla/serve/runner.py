@@ -129,15 +129,12 @@ class Runner:
 
     # -- compute -----------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, chunks: list[tuple[int, list[int], int, list[int]]],
-                on_layer=None) -> torch.Tensor:
+    def prefill(self, chunks: list[tuple[int, list[int], int, list[int]]]) -> torch.Tensor:
         """Compute prompt chunks of several sequences packed together.
 
         Args:
             chunks: (slot, token ids, start position, block table) per sequence; the slot
                 holds the state after ``start`` tokens (zeroed by the caller for start 0).
-            on_layer: optional ``fn(layer_index)`` called as soon as a layer's state is
-                final, so a disaggregated prefill can ship it while later layers compute.
         Returns:
             logits [len(chunks), vocab] (fp32) at each chunk's last token.
         """
@@ -146,7 +143,6 @@ class Runner:
                               [c[0] for c in chunks], [c[3] for c in chunks], self.buffers,
                               block_size=self.block_size, pad_block=self.pad_block,
                               device=self.device)
-        ctx.on_layer = on_layer
         return self.model(ids[None], ctx)[0].float()
 
     @torch.no_grad()

@@ -146,7 +146,7 @@ class Instance:
                 if m.kv_bytes_per_token else 0
             if c.kv_blocks is not None and m.kv_bytes_per_token:
                 blocks = c.kv_blocks
-            snapshots = role == "pd" and c.snapshot_interval > 0 and "G" in m.layers
+            snapshots = role == "pd" and c.snapshot_interval > 0 and m.state_bytes > 0
             cfg = SchedulerConfig(max_num_seqs=c.max_num_seqs,
                                   max_num_batched_tokens=c.prefill_chunk if role == "pd"
                                   else c.max_num_seqs,
