@@ -185,7 +185,7 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     from hyla.cli import main as hyla
     from hyla.eval.memory import kv_cache_bytes, state_bytes
     from hyla.model import preset
-    from hyla.model.checkpoint import load_checkpoint
+    from hyla.model.formats.checkpoint import load_checkpoint
     from hyla.train.config import TrainConfig
     from hyla.train.distill import Distiller
     from hyla.train.distill_config import DistillConfig

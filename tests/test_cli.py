@@ -104,7 +104,7 @@ def test_subprocess_smoke():
 
 def test_generate_from_a_checkpoint(tmp_path, capsys):
     from hyla.model import HylaLM, preset
-    from hyla.model.checkpoint import save_checkpoint
+    from hyla.model.formats.checkpoint import save_checkpoint
 
     save_checkpoint(HylaLM(preset("debug")), tmp_path)
     assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "hi",
@@ -115,7 +115,7 @@ def test_generate_from_a_checkpoint(tmp_path, capsys):
 
 def test_eval_ppl_and_needle_on_a_checkpoint(tmp_path, capsys):
     from hyla.model import HylaLM, preset
-    from hyla.model.checkpoint import save_checkpoint
+    from hyla.model.formats.checkpoint import save_checkpoint
 
     save_checkpoint(HylaLM(preset("debug")), tmp_path / "ckpt")
     data = tmp_path / "d.txt"
@@ -151,7 +151,7 @@ def test_serve_loads_a_checkpoint(tmp_path):
 
     from hyla.cli.common import load_model
     from hyla.model import HylaLM, preset
-    from hyla.model.checkpoint import save_checkpoint
+    from hyla.model.formats.checkpoint import save_checkpoint
 
     save_checkpoint(HylaLM(preset("debug")), tmp_path / "mine")
     args = argparse.Namespace(checkpoint=str(tmp_path / "mine"), preset=None, device="cpu")
@@ -167,7 +167,7 @@ def test_serve_trains_the_quickstart_model_when_missing(tmp_path, monkeypatch):
     import hyla.cli.common
     from hyla.cli.common import QUICKSTART_DIR, load_model
     from hyla.model import HylaLM, preset
-    from hyla.model.checkpoint import save_checkpoint
+    from hyla.model.formats.checkpoint import save_checkpoint
 
     calls = []
 

@@ -19,7 +19,7 @@ import time
 
 from rich.console import Console
 
-from hyla.cli.common import QUICKSTART_DIR, load_model, positive, positive_float
+from hyla.cli.common import QUICKSTART_DIR, SOURCE_HELP, load_model, positive, positive_float
 
 
 def _urls(value: str) -> list[str]:
@@ -36,7 +36,7 @@ def add_cluster(sub) -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="cluster.toml (the flags override it)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", default=None, help="random weights of this preset (testing)")
-    src.add_argument("--checkpoint", default=None, help="checkpoint directory (default: "
+    src.add_argument("--checkpoint", default=None, help=f"{SOURCE_HELP} (default: "
                      "runs/quickstart, trained first if missing)")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="the router's port (default 8000)")
@@ -109,13 +109,13 @@ def _watch_parent() -> None:
 
 
 def _tokenizer_and_name(args):
-    from hyla.data.tokenizer import ByteTokenizer, load_tokenizer
-    from hyla.model.checkpoint import latest_checkpoint
+    from hyla.data.tokenizer import ByteTokenizer
+    from hyla.model.load import load_tokenizer, model_name
 
     if args.preset is not None:
         return ByteTokenizer(), f"hyla-{args.preset}"
     path = args.checkpoint or QUICKSTART_DIR
-    return load_tokenizer(latest_checkpoint(pathlib.Path(path))), pathlib.Path(path).resolve().name
+    return load_tokenizer(path), model_name(path)
 
 
 def cmd_role(args: argparse.Namespace, out: Console) -> int:
@@ -200,7 +200,7 @@ def cmd_cluster(args: argparse.Namespace, out: Console) -> int:
                      threads=args.threads, api_key=args.api_key, log_dir=args.log_dir)
     if spec.preset is None and spec.checkpoint is None:
         from hyla.cli.common import train_quickstart
-        from hyla.model.checkpoint import CONFIG, latest_checkpoint
+        from hyla.model.formats.checkpoint import CONFIG, latest_checkpoint
 
         if not (latest_checkpoint(pathlib.Path(QUICKSTART_DIR)) / CONFIG).is_file():
             out.print(f"No checkpoint in {QUICKSTART_DIR}: training the quickstart model first.")

@@ -14,6 +14,8 @@ from rich.table import Table
 
 DEFAULT_BUDGET_GIB = 80.0  # one 80 GB accelerator: the usual unit of a serving replica
 QUICKSTART_DIR = "runs/quickstart"
+SOURCE_HELP = ("a hyla checkpoint or run directory, a transformers or fla directory, a .gguf "
+               "file or a Hugging Face hub id")
 
 
 class ArgumentError(Exception):
@@ -146,10 +148,12 @@ def train_quickstart(out: Console, *, preset: str = "small", steps: int = 120,
 def load_model(args: argparse.Namespace, out: Console):
     """(model, tokenizer, default model name) for the serve arguments (``--preset``,
     ``--checkpoint``, ``--seed``, ``--device``): with neither, the quickstart model, trained
-    first if missing."""
+    first if missing. ``--checkpoint`` is any :func:`hyla.model.load_model` source."""
     import torch
 
-    from hyla.model.checkpoint import CONFIG, latest_checkpoint, load_checkpoint
+    from hyla.model.formats.checkpoint import CONFIG, latest_checkpoint
+    from hyla.model.load import load_model as load_source
+    from hyla.model.load import model_name
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.preset is not None:
@@ -162,8 +166,8 @@ def load_model(args: argparse.Namespace, out: Console):
         if not (latest_checkpoint(pathlib.Path(path)) / CONFIG).is_file():
             out.print(f"No checkpoint in {path}: training the quickstart model first.")
             train_quickstart(out)
-    model, tok = load_checkpoint(path, device=device)
-    return model, tok, pathlib.Path(path).resolve().name
+    model, tok = load_source(path, device=device)
+    return model, tok, model_name(path)
 
 
 def memory_table(report: dict) -> Table:

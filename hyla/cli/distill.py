@@ -1,4 +1,5 @@
-"""``hyla distill`` and ``hyla export``: thin maps onto hyla.train.distill and hyla.model.hf.
+"""``hyla distill`` and ``hyla export``: thin maps onto hyla.train.distill and
+hyla.model.formats.hf.
 
 Example:
     $ hyla export --format llama runs/teacher runs/teacher-hf
@@ -13,13 +14,13 @@ import dataclasses
 
 from rich.console import Console
 
+from hyla.cli.common import SOURCE_HELP
 from hyla.train.config import OPTIMIZERS
 from hyla.train.distill_config import DistillConfig
 
 _NONE_DEFAULT_TYPES = {"student_kv_heads": int, "stage1_seq_len": int, "data": str}
 _HELP = {
-    "teacher": "a transformers directory (Llama, Mistral, Qwen2) or an all-attention hyla "
-               "checkpoint",
+    "teacher": "an all-attention model: " + SOURCE_HELP,
     "layers": "the student's layer mix, one letter (G or A) per teacher layer",
     "student_kv_heads": "KV heads of the student's A layers (must divide the teacher's)",
     "stage1_steps": "attention-transfer steps (teacher frozen, layer by layer)",
@@ -58,8 +59,10 @@ def add_export(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write an all-attention hyla checkpoint in a "
                                       "transformers format")
     p.add_argument("--format", default="llama", choices=["llama"])
-    p.add_argument("checkpoint", help="a hyla checkpoint or training run directory")
+    p.add_argument("source", nargs="?", default=None, metavar="checkpoint",
+                   help=f"the model: {SOURCE_HELP} (or --checkpoint)")
     p.add_argument("out", help="output directory (loads with transformers)")
+    p.add_argument("--checkpoint", default=None, help="the model, as the positional argument")
     p.set_defaults(func=cmd_export)
     return p
 
@@ -88,10 +91,13 @@ def cmd_distill(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_export(args: argparse.Namespace, out: Console) -> int:
-    from hyla.model.checkpoint import load_checkpoint
-    from hyla.model.hf import export_hf
+    from hyla.model.formats.hf import export_hf
+    from hyla.model.load import load_model as load_source
 
-    model, tok = load_checkpoint(args.checkpoint)
+    if (args.source is None) == (args.checkpoint is None):
+        raise ValueError("export needs the model once: hyla export SOURCE OUT or "
+                         "hyla export --checkpoint SOURCE OUT")
+    model, tok = load_source(args.checkpoint or args.source)
     target = export_hf(model, tok, args.out, fmt=args.format)
     out.print(f"wrote {target} ({args.format}, {model.num_parameters():,} parameters)")
     return 0

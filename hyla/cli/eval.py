@@ -16,7 +16,7 @@ import pathlib
 from rich.console import Console
 from rich.table import Table
 
-from hyla.cli.common import Parser, positive, torch_threads
+from hyla.cli.common import SOURCE_HELP, Parser, positive, torch_threads
 
 
 def add_eval(sub) -> argparse.ArgumentParser:
@@ -36,16 +36,17 @@ def add_eval(sub) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_eval_recall)
 
     p = evals.add_parser("needle", help="passkey retrieval by context length and depth")
-    p.add_argument("--checkpoint", required=True, help="a checkpoint or training run directory")
+    p.add_argument("--checkpoint", required=True, help=SOURCE_HELP)
     p.add_argument("--context", default="1K,2K,4K", help="comma-separated lengths, e.g. 1K,8K")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1")
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="folder for needle.json and needle.png")
+    p.add_argument("--out", default=None, help="folder for needle.json and needle.png "
+                   "(default: the checkpoint directory, or needle-NAME for other sources)")
     p.set_defaults(func=cmd_needle)
 
     p = evals.add_parser("ppl", help="validation perplexity of a checkpoint")
-    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--checkpoint", required=True, help=SOURCE_HELP)
     p.add_argument("--data", default=None, help="text source (default: stdlib validation split)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=65536)
@@ -90,7 +91,8 @@ def cmd_eval_recall(args: argparse.Namespace, out: Console) -> int:
 def cmd_needle(args: argparse.Namespace, out: Console) -> int:
     from hyla.eval.memory import parse_context
     from hyla.eval.needle import needle_eval, plot_needle
-    from hyla.model.checkpoint import load_checkpoint
+    from hyla.model.load import load_model as load_source
+    from hyla.model.load import model_name
 
     contexts = [parse_context(c) for c in args.context.split(",") if c.strip()]
     try:
@@ -98,7 +100,7 @@ def cmd_needle(args: argparse.Namespace, out: Console) -> int:
     except ValueError as e:
         raise ValueError(f"depths must be comma-separated numbers in [0, 1], got "
                          f"{args.depths!r}") from e
-    model, tok = load_checkpoint(args.checkpoint)
+    model, tok = load_source(args.checkpoint)
     records = needle_eval(model, tok, contexts, depths, trials=args.trials, seed=args.seed)
     table = Table(title=f"passkey retrieval accuracy ({args.trials} trials a cell)")
     table.add_column("depth")
@@ -108,7 +110,9 @@ def cmd_needle(args: argparse.Namespace, out: Console) -> int:
         table.add_row(f"{d:.0%}", *[f"{r['accuracy']:.2f}" for c in contexts for r in records
                                     if r["context"] == c and r["depth"] == d])
     out.print(table)
-    folder = pathlib.Path(args.out or args.checkpoint)
+    folder = pathlib.Path(args.out) if args.out else pathlib.Path(args.checkpoint)
+    if not args.out and not folder.is_dir():       # a .gguf file or a hub id
+        folder = pathlib.Path(f"needle-{model_name(args.checkpoint)}")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "needle.json").write_text(json.dumps(records, indent=1) + "\n")
     plot_needle(records, folder / "needle.png")
@@ -118,9 +122,9 @@ def cmd_needle(args: argparse.Namespace, out: Console) -> int:
 
 def cmd_ppl(args: argparse.Namespace, out: Console) -> int:
     from hyla.eval.perplexity import perplexity
-    from hyla.model.checkpoint import load_checkpoint
+    from hyla.model.load import load_model as load_source
 
-    model, tok = load_checkpoint(args.checkpoint)
+    model, tok = load_source(args.checkpoint)
     r = perplexity(model, tok, args.data, seq_len=args.seq_len, max_tokens=args.max_tokens)
     if args.json:
         print(json.dumps(r))

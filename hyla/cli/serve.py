@@ -22,6 +22,7 @@ from rich.console import Console
 
 from hyla.cli.common import (
     QUICKSTART_DIR,
+    SOURCE_HELP,
     add_sampling,
     generate_text,
     load_model,
@@ -35,7 +36,7 @@ def add_generate(sub) -> argparse.ArgumentParser:
     """Register ``hyla generate`` on the ``hyla`` sub-parser set."""
     p = sub.add_parser("generate", help="sample text from a checkpoint or a random preset")
     p.add_argument("--preset", default=None, help="random weights of this preset")
-    p.add_argument("--checkpoint", default=None, help="a checkpoint directory")
+    p.add_argument("--checkpoint", default=None, help=SOURCE_HELP)
     p.add_argument("--prompt", required=True)
     add_sampling(p, 64, None)
     p.set_defaults(func=cmd_generate)
@@ -48,8 +49,8 @@ def add_serve(sub) -> argparse.ArgumentParser:
                                      "streaming, /metrics)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", default=None,
-                     help=f"a checkpoint or training run directory (default: {QUICKSTART_DIR},"
-                          " trained first if missing)")
+                     help=f"{SOURCE_HELP} (default: {QUICKSTART_DIR}, trained first if "
+                          "missing)")
     src.add_argument("--preset", default=None,
                      help="random weights of this preset with the byte tokenizer (testing)")
     p.add_argument("--host", default="127.0.0.1",
@@ -89,11 +90,11 @@ COMMANDS = {"generate": add_generate, "serve": add_serve}
 def cmd_generate(args: argparse.Namespace, out: Console) -> int:
     if (args.preset is None) == (args.checkpoint is None):
         raise ValueError("generate needs exactly one of --preset P (random weights) or "
-                         "--checkpoint DIR")
+                         "--checkpoint SOURCE")
     if args.checkpoint is not None:
-        from hyla.model.checkpoint import load_checkpoint
+        from hyla.model.load import load_model as load_source
 
-        model, tok = load_checkpoint(args.checkpoint)
+        model, tok = load_source(args.checkpoint)
     else:
         model, tok = random_model(args.preset, args.seed)
     with torch_threads(args.threads):

@@ -122,7 +122,7 @@ def cmd_quickstart(args: argparse.Namespace, out: Console) -> int:
     line = published_line(big)
     if line:
         out.print(line)
-    from hyla.model.checkpoint import load_checkpoint
+    from hyla.model.formats.checkpoint import load_checkpoint
 
     ckpt = train_quickstart(out, preset=args.preset, steps=args.steps, out_dir=args.out)
     model, tok = load_checkpoint(ckpt)

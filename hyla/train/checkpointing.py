@@ -16,7 +16,7 @@ import shutil
 
 import torch
 
-from hyla.model.checkpoint import latest_checkpoint, save_checkpoint
+from hyla.model.formats.checkpoint import latest_checkpoint, save_checkpoint
 from hyla.train.config import TrainConfig
 
 STATE = "train_state.pt"

@@ -21,6 +21,9 @@ class TrainConfig:
 
     preset: str = "small"
     layers: str | None = None  # override the preset's layer mix, e.g. "AAAAAAAA" (a teacher)
+    # start from this model (any hyla.model.load_model source): its config, weights and
+    # tokenizer replace the preset's
+    init: str | None = None
     data: str | None = None  # None: the embedded stdlib corpus
     out: str = "runs/small"
     steps: int = 200

@@ -28,8 +28,7 @@ import torch
 from torch import nn
 
 from hyla.data.packing import corpus_blocks
-from hyla.model.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from hyla.model.hf import is_hf_directory, load_hf
+from hyla.model.formats.checkpoint import save_checkpoint
 from hyla.train.checkpointing import load_train_state, restore_optimizers, restore_weights
 from hyla.train.config import wsd_lr_factor
 from hyla.train.distill_config import DistillConfig
@@ -41,23 +40,16 @@ from hyla.train.optim import run_optimizers
 
 
 def load_teacher(path: str):
-    """(teacher HylaLM in eval mode, tokenizer) from a transformers directory or a hyla
-    checkpoint whose layers are all attention."""
-    root = pathlib.Path(path)
-    if not root.is_dir():
-        raise ValueError(f"--teacher {str(path)!r} is not a directory: expected a transformers "
-                         f"model directory (Llama, Mistral, Qwen2) or a hyla checkpoint")
-    if is_hf_directory(root):
-        model, tok = load_hf(root)
-    elif (latest_checkpoint(root) / "config.json").is_file():
-        model, tok = load_checkpoint(root)
-        if tok.vocab_size > model.cfg.vocab_size:
-            raise ValueError(f"tokenizer mismatch: {latest_checkpoint(root) / 'tokenizer.json'} "
-                             f"has {tok.vocab_size} tokens, more than the model's vocab_size "
-                             f"{model.cfg.vocab_size}")
-    else:
-        raise ValueError(f"--teacher {str(path)!r} has no config.json: expected a transformers "
-                         f"model directory (Llama, Mistral, Qwen2) or a hyla checkpoint")
+    """(teacher HylaLM in eval mode, tokenizer) from any :func:`hyla.model.load_model` source
+    (a transformers directory, a .gguf file, a hyla checkpoint...) whose layers are all
+    attention."""
+    from hyla.model.load import load_model
+
+    model, tok = load_model(path)
+    if tok.vocab_size > model.cfg.vocab_size:
+        raise ValueError(f"tokenizer mismatch: the tokenizer of --teacher {str(path)!r} has "
+                         f"{tok.vocab_size} tokens, more than the model's vocab_size "
+                         f"{model.cfg.vocab_size}")
     if set(model.cfg.layers) != {"A"}:
         raise ValueError(f"--teacher {str(path)!r} has layers={model.cfg.layers!r}: expected an "
                          f"all-attention model")

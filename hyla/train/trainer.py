@@ -52,12 +52,17 @@ class Trainer:
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
         self.out.mkdir(parents=True, exist_ok=True)
+        init = self._init_model() if cfg.init is not None else None
         with distributed.rank_zero_first(self.world):
-            self.tokenizer = self._tokenizer(state is not None)
-        model_cfg = dataclasses.replace(preset(cfg.preset), vocab_size=self.tokenizer.vocab_size)
-        if cfg.layers is not None:
-            model_cfg = dataclasses.replace(model_cfg, layers=cfg.layers)  # validated there
-        self.model = HylaLM(model_cfg)
+            self.tokenizer = self._tokenizer(state is not None, init)
+        if init is not None:
+            self.model = init[0].train()
+        else:
+            model_cfg = dataclasses.replace(preset(cfg.preset),
+                                            vocab_size=self.tokenizer.vocab_size)
+            if cfg.layers is not None:
+                model_cfg = dataclasses.replace(model_cfg, layers=cfg.layers)  # validated
+            self.model = HylaLM(model_cfg)
         self.model.activation_checkpointing = cfg.activation_checkpointing
         if self.world > 1:
             distributed.broadcast_parameters(self.model)
@@ -88,9 +93,23 @@ class Trainer:
                          world=self.world,
                          validate=lambda: validation_loss(self.model, self.tokenizer, cfg))
 
-    def _tokenizer(self, resuming: bool):
+    def _init_model(self):
+        from hyla.model.load import load_model
+
+        model, tok = load_model(self.cfg.init)
+        if self.cfg.layers is not None and self.cfg.layers != model.cfg.layers:
+            raise ValueError(f"layers={self.cfg.layers!r} differs from the layers of --init "
+                             f"{self.cfg.init!r} ({model.cfg.layers!r}): leave layers unset "
+                             f"(hyla distill changes a model's layers)")
+        return model.requires_grad_(True), tok
+
+    def _tokenizer(self, resuming: bool, init=None):
         path = self.out / "tokenizer.json"
         if resuming or path.is_file():
+        if init is not None:                  # the initial model's own, kept beside the run
+            if self.rank == 0 and not path.is_file() and hasattr(init[1], "save"):
+                init[1].save(path)
+            return init[1]
             return load_tokenizer(self.out)
         docs = iter_documents(self.cfg.data, "train")
         sample = (d for _, d in zip(range(self.cfg.tokenizer_documents), docs, strict=False))

@@ -10,7 +10,7 @@ import torch
 
 from hyla.cli import main
 from hyla.model import HylaLM, preset
-from hyla.model.checkpoint import load_checkpoint, save_checkpoint
+from hyla.model.formats.checkpoint import load_checkpoint, save_checkpoint
 from hyla.model.generate import generate
 from hyla.model.mixers.base import merge_kv_heads
 from hyla.train.distill import Distiller, load_teacher

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from hyla.model.checkpoint import load_checkpoint
+from hyla.model.formats.checkpoint import load_checkpoint
 from hyla.train.batches import stack_blocks
 from hyla.train.config import TrainConfig
 from hyla.train.trainer import Trainer

@@ -13,10 +13,12 @@ import os
 import pathlib
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hyla.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
 from hyla.model.config import HylaConfig
+from hyla.model.formats.hf_tokenizer import load_hf_tokenizer
 from hyla.model.model import HylaLM
 
 CONFIG = "config.json"
@@ -68,23 +70,44 @@ def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cp
         cfg = HylaConfig(**json.loads((root / CONFIG).read_text(encoding="utf-8")))
     except (json.JSONDecodeError, TypeError) as e:
         raise ValueError(f"{root / CONFIG} is not a valid hyla config: {e}") from e
+    with torch.device("meta"):
+        model = HylaLM(cfg)
+    _check_shapes(model, root / WEIGHTS, root / CONFIG)    # before allocating anything
     try:
         weights = load_file(str(root / WEIGHTS), device=str(device))
     except Exception as e:  # safetensors raises its own error types for corrupt files
         raise ValueError(f"{root / WEIGHTS} could not be read as safetensors: {e}") from e
-    with torch.device("meta"):
-        model = HylaLM(cfg)
     model = model.to_empty(device=device)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"{root / WEIGHTS} does not match {root / CONFIG}: missing "
-                         f"{missing[:5]}, unexpected {unexpected[:5]}")
+    model.load_state_dict(weights, strict=False)
     if dtype is not None:
         model = model.to(dtype)
+    if (root / "tokenizer_config.json").is_file() and (root / TOKENIZER).is_file():
+        # a transformers model's tokenizer kept its special tokens and chat template there
+        return model.eval(), load_hf_tokenizer(root, cfg.vocab_size)
     return model.eval(), load_tokenizer(root)
+
+
+def _check_shapes(model: HylaLM, weights: pathlib.Path, config: pathlib.Path) -> None:
+    """ValueError unless the file's tensors are exactly the model's, by name and shape."""
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise ValueError(f"{weights} could not be read as safetensors: {e}") from e
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if model.cfg.tie_embeddings:
+        want.pop("lm_head.weight", None)
+        shapes.pop("lm_head.weight", None)
+    missing = [k for k in want if k not in shapes]
+    unexpected = [k for k in shapes if k not in want]
+    if missing or unexpected:
+        raise ValueError(f"{weights} does not match {config}: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    wrong = [f"{k} {shapes[k]} (expected {want[k]})" for k in want if shapes[k] != want[k]]
+    if wrong:
+        raise ValueError(f"{weights} does not match {config}: shapes of {wrong[:3]}")
 
 
 def latest_checkpoint(path: pathlib.Path) -> pathlib.Path:

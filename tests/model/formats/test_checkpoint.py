@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hyla.model import HylaLM, preset
-from hyla.model.checkpoint import load_checkpoint, save_checkpoint
+from hyla.model.formats.checkpoint import load_checkpoint, save_checkpoint
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
@@ -48,7 +48,7 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("hyla.model.checkpoint.save_file", crash)
+    monkeypatch.setattr("hyla.model.formats.checkpoint.save_file", crash)
     with pytest.raises(OSError):
         save_checkpoint(HylaLM(preset("debug")), tmp_path)
     assert (tmp_path / "model.safetensors").read_bytes() == before

@@ -34,7 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hyla.model.config import HylaConfig
-from hyla.model.hf_tokenizer import load_hf_tokenizer, save_hf_tokenizer
+from hyla.model.formats.hf_tokenizer import load_hf_tokenizer, save_hf_tokenizer
 from hyla.model.model import HylaLM
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
