@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hyla.model.layers import check_rope_scaling
 from hyla.model.mixers import MIXERS
 from hyla.ops.gla.chunk import CHUNK_SIZES
 
@@ -39,6 +40,14 @@ class HylaConfig:
     tie_embeddings: bool = False
     chunk_size: int = 64
     initializer_range: float = 0.02
+    # Attention layers, as the transformers families hyla loads have them; the defaults are
+    # hyla's own attention (and leave a model without them unchanged).
+    attention_head_dim: int | None = None   # None: d_model // n_heads (Qwen3 sets its own)
+    attention_bias: bool = False            # q/k/v projection biases (Qwen2, Llama's option)
+    attention_out_bias: bool = False        # o_proj bias (Llama's attention_bias)
+    qk_norm: bool = False                   # RMSNorm per head on q and k before rotary (Qwen3)
+    rope_scaling: dict | None = None        # scaled RoPE: hyla.model.layers.rope_frequencies
+    sliding_window: int | None = None       # attention sees the last `sliding_window` tokens
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "ffn_dim", "gate_low_rank_dim"):
@@ -58,6 +67,15 @@ class HylaConfig:
         if self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads must divide n_heads={self.n_heads}, "
                              f"got {self.n_kv_heads}")
+        for name in ("attention_head_dim", "sliding_window"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value <= 0):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if self.attention_head_dim is not None and self.attention_head_dim % 2:
+            raise ValueError(f"attention_head_dim must be even (rotary pairs), "
+                             f"got {self.attention_head_dim}")
+        check_rope_scaling(self.rope_scaling)
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         for name, dim in (("expand_k", self.key_dim), ("expand_v", self.value_dim)):
@@ -92,7 +110,7 @@ class HylaConfig:
     @property
     def head_dim(self) -> int:
         """Head dim of the attention layers."""
-        return self.d_model // self.n_heads
+        return self.attention_head_dim or self.d_model // self.n_heads
 
     @property
     def kv_dim(self) -> int:

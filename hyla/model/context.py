@@ -118,9 +118,9 @@ class Context:
         """Store this step's new tokens' rows [tokens, *shape] in a paged growing buffer."""
         buf[self.token_blocks, self.token_offsets] = rows.to(buf.dtype)
 
-    def sequence_rows(self, buf: torch.Tensor, j: int, n: int) -> torch.Tensor:
-        """The first ``n`` rows of sequence ``j`` in a paged growing buffer (a copy)."""
-        pos = torch.arange(n, device=buf.device)
+    def sequence_rows(self, buf: torch.Tensor, j: int, n: int, first: int = 0) -> torch.Tensor:
+        """Rows ``first .. n - 1`` of sequence ``j`` in a paged growing buffer (a copy)."""
+        pos = torch.arange(first, n, device=buf.device)
         return buf[self.block_tables[j, pos // self.block_size], pos % self.block_size]
 
     def batch_rows(self, buf: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,8 @@ The mixers themselves (GLA, attention, ...) live in :mod:`hyla.model.mixers`.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,12 +44,130 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn")      # scaled RoPE, transformers' names
+_ROPE_KEYS = {      # required, optional (beside rope_type), as transformers validates them
+    "linear": ({"factor"}, set()),
+    "dynamic": ({"factor", "original_max_position_embeddings"}, set()),
+    "llama3": ({"factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings"}, set()),
+    "yarn": ({"factor", "original_max_position_embeddings"},
+             {"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+              "truncate"}),
+}
+
+
+def check_rope_scaling(scaling: dict | None, name: str = "rope_scaling") -> None:
+    """ValueError naming ``name`` unless ``scaling`` is None or a scaled RoPE hyla computes:
+    ``{"rope_type": one of ROPE_TYPES, ...its parameters}``. ``dynamic``'s
+    ``original_max_position_embeddings`` is the length beyond which it rescales
+    (transformers' ``max_position_embeddings``).
+
+    Example:
+        >>> check_rope_scaling({"rope_type": "linear", "factor": 2.0})
+        >>> check_rope_scaling({"rope_type": "longrope"})   # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: rope_scaling: rope_type 'longrope' is not supported: expected one of ...
+    """
+    if scaling is None:
+        return
+    if not isinstance(scaling, dict):
+        raise ValueError(f"{name} must be a dict with a rope_type, got {scaling!r}")
+    kind = scaling.get("rope_type")
+    if kind not in _ROPE_KEYS:
+        raise ValueError(f"{name}: rope_type {kind!r} is not supported: expected one of "
+                         f"{ROPE_TYPES}")
+    required, optional = _ROPE_KEYS[kind]
+    missing = sorted(k for k in required if scaling.get(k) is None)
+    extra = sorted(set(scaling) - required - optional - {"rope_type"})
+    if missing or extra:
+        raise ValueError(f"{name}: rope_type {kind!r} needs {sorted(required)} (optional "
+                         f"{sorted(optional)}): missing {missing}, unknown {extra}")
+    if not float(scaling["factor"]) > 0:
+        raise ValueError(f"{name}: factor must be > 0, got {scaling['factor']}")
+
+
+def rope_frequencies(dim: int, theta: float, scaling: dict | None = None, *, device=None,
+                     lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim / 2] float32 of a rotary embedding and the factor its cos/sin
+    are multiplied by, with transformers' formulas for scaled RoPE (``linear``, ``dynamic``,
+    ``llama3``, ``yarn``: see :func:`check_rope_scaling`).
+
+    ``dynamic`` depends on the sequence length a token is computed with: ``lengths`` (any
+    shape, one a token, as transformers' ``max(position_ids) + 1`` of that forward) gives
+    frequencies [*lengths.shape, dim / 2].
+
+    Example:
+        >>> f, a = rope_frequencies(8, 1e4, {"rope_type": "linear", "factor": 4.0})
+        >>> torch.allclose(f * 4, rope_frequencies(8, 1e4)[0]), a
+        (True, 1.0)
+    """
+    exponents = torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim
+    if scaling is None:
+        return theta ** -exponents, 1.0
+    kind, factor = scaling["rope_type"], float(scaling["factor"])
+    inv_freq = 1.0 / (theta ** exponents)
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    original = scaling["original_max_position_embeddings"]
+    if kind == "dynamic":
+        if lengths is None:
+            return inv_freq, 1.0
+        n = torch.clamp(lengths.to(device=device, dtype=torch.float32), min=original)
+        base = theta * ((factor * n / original) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (base[..., None] ** exponents), 1.0
+    if kind == "llama3":
+        low_wavelen = original / scaling["low_freq_factor"]
+        high_wavelen = original / scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - scaling["low_freq_factor"]) / (
+            scaling["high_freq_factor"] - scaling["low_freq_factor"])
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    return _yarn(dim, theta, factor, original, scaling, exponents)
+
+
+def _yarn(dim, theta, factor, original, scaling, exponents):
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = (float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all
+                     else mscale(factor))
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001                   # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32,
+                                     device=exponents.device) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** exponents
+    extrapolation = 1 - ramp
+    inv_freq = ((1.0 / (factor * pos_freqs)) * (1 - extrapolation)
+                + (1.0 / pos_freqs) * extrapolation)
+    return inv_freq, float(attention)
+
+
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float,
+                 scaling: dict | None = None, lengths: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """Rotate ``x`` [B, T, H, D] by absolute ``positions`` [B, T] or [T] (half-split layout).
 
     The half-split ("rotate_half") layout is Llama's / Hugging Face's, so weights port as is.
     Frequencies are computed on the fly in float32: no buffer to move between devices or to
-    materialise after construction on the meta device.
+    materialise after construction on the meta device. ``scaling``: a scaled RoPE
+    (:func:`rope_frequencies`; ``lengths``, shaped as ``positions``, for ``dynamic``).
 
     Example:
         >>> x = torch.randn(1, 5, 2, 8)
@@ -55,10 +175,16 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torc
         True
     """
     D = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
+    if scaling is None:
+        inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
+        factor = 1.0
+    else:
+        inv_freq, factor = rope_frequencies(D, theta, scaling, device=x.device, lengths=lengths)
     angles = positions.to(x.device, torch.float32)[..., None] * inv_freq     # [(B,) T, D/2]
     angles = angles.reshape(-1 if positions.dim() == 2 else 1, x.shape[1], 1, D // 2)
     cos, sin = angles.cos(), angles.sin()
+    if factor != 1.0:                   # yarn: cos and sin scaled, as transformers does
+        cos, sin = cos * factor, sin * factor
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return out.to(x.dtype)

@@ -40,7 +40,21 @@ def _sdpa(q, k, v, *, scale, causal=False, mask=None):
     return o.transpose(1, 2)
 
 
-def attention(q, k, v, *, scale=None, causal=True, cu_seqlens=None):
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal (sliding-window) visibility [..., T, S] of keys at ``k_pos`` [..., S] from
+    queries at ``q_pos`` [..., T]: ``k <= q`` and, with a window, ``q - k < window`` (the
+    last ``window`` tokens, the query's own included: transformers' sliding window).
+
+    Example:
+        >>> window_mask(torch.arange(3), torch.arange(3), 2).int().tolist()
+        [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
+    """
+    q, k = q_pos[..., :, None], k_pos[..., None, :]
+    mask = k <= q
+    return mask if window is None else mask & (k > q - window)
+
+
+def attention(q, k, v, *, scale=None, causal=True, cu_seqlens=None, window=None):
     """Softmax attention, optionally causal, optionally over packed documents.
 
     Args:
@@ -49,6 +63,7 @@ def attention(q, k, v, *, scale=None, causal=True, cu_seqlens=None):
         causal: query t sees keys 0..t (requires S == T).
         cu_seqlens: optional int tensor [N + 1] of document offsets (0 ... T) for packed
             sequences; needs B == 1 and S == T. No token attends across a boundary.
+        window: causal sliding window: query t sees keys t - window + 1 ... t (None: all).
     Returns:
         o: [B, T, H, D_v] in q's dtype.
 
@@ -62,6 +77,19 @@ def attention(q, k, v, *, scale=None, causal=True, cu_seqlens=None):
     if (causal or cu_seqlens is not None) and k.shape[1] != T:
         raise ValueError(f"k/v must have S == T={T} keys for causal or packed attention, "
                          f"got S={k.shape[1]}")
+    if window is not None:
+        if not causal:
+            raise ValueError("window needs causal=True (a sliding window looks back only)")
+        if window >= T:                 # the window covers every key: plain causal
+            window = None
+    if window is not None:
+        offsets = [0, T] if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T)
+        outs = []
+        for s, e in zip(offsets[:-1], offsets[1:], strict=True):
+            pos = torch.arange(e - s, device=q.device)
+            mask = window_mask(pos, pos, window)
+            outs.append(_sdpa(q[:, s:e], k[:, s:e], v[:, s:e], scale=scale, mask=mask))
+        return torch.cat(outs, dim=1) if outs else q.new_zeros(*q.shape[:3], v.shape[-1])
     if cu_seqlens is None:
         return _sdpa(q, k, v, scale=scale, causal=causal and T > 1)
     offsets = check_cu_seqlens(cu_seqlens, B, T)
@@ -74,7 +102,7 @@ def attention(q, k, v, *, scale=None, causal=True, cu_seqlens=None):
     return torch.cat(outs, dim=1)
 
 
-def attention_with_cache(q, k, v, kv_lens, *, scale=None):
+def attention_with_cache(q, k, v, kv_lens, *, scale=None, window=None):
     """Attention of new queries against a right-padded key/value cache, causally.
 
     The cache already holds the new tokens' keys: sequence ``b`` has ``kv_lens[b]`` valid keys
@@ -86,6 +114,7 @@ def attention_with_cache(q, k, v, kv_lens, *, scale=None):
         q: [B, T, H, D]; k: [B, S, H_kv, D]; v: [B, S, H_kv, D_v] (right-padded caches).
         kv_lens: int tensor [B] (or list), each in [T, S].
         scale: softmax scale, default D ** -0.5.
+        window: causal sliding window (see :func:`attention`); None: every cached key.
     Returns:
         o: [B, T, H, D_v] in q's dtype.
 
@@ -107,7 +136,7 @@ def attention_with_cache(q, k, v, kv_lens, *, scale=None):
         raise ValueError(f"kv_lens must be in [T, S] = [{T}, {S}] (the cache includes the "
                          f"new tokens), got {lens.tolist()}")
     pos = lens[:, None] - T + torch.arange(T, device=q.device)            # [B, T]
-    mask = torch.arange(S, device=q.device)[None, None, :] <= pos[:, :, None]  # [B, T, S]
+    mask = window_mask(pos, torch.arange(S, device=q.device)[None], window)   # [B, T, S]
     return _sdpa(q, k, v, scale=scale, mask=mask[:, None])
 
 

@@ -1,26 +1,31 @@
-"""Hugging Face ``transformers`` interop: load Llama / Mistral / Qwen2 directories, export Llama.
+"""Hugging Face ``transformers`` interop: load Llama / Mistral / Qwen2 / Qwen3 directories,
+export all-attention models as the family they need.
 
 A supported directory holds ``config.json``, safetensors weights (``model.safetensors`` or a
 sharded ``model.safetensors.index.json``) and ``tokenizer.json``. Reading needs neither
 ``transformers`` nor any pickle: the config is JSON and the weights are safetensors.
 
-What maps onto hyla, and what is refused (``ValueError`` naming the file and the field):
+What maps onto hyla (:class:`~hyla.model.HylaConfig`'s attention fields), and what is refused
+(``ValueError`` naming the file and the field):
 
 - grouped-query attention with rotary embeddings: hyla's ``apply_rotary`` uses the same
-  half-split (``rotate_half``) layout and the same frequencies ``theta ** (-2i / D)`` as
-  transformers' default RoPE, so q/k rows port without any permutation. Scaled RoPE variants
-  (``rope_type`` other than ``"default"``), a ``head_dim`` other than ``hidden_size /
-  num_attention_heads`` and sliding-window attention are refused;
+  half-split (``rotate_half``) layout and the same frequencies as transformers, so q/k rows
+  port without any permutation. Scaled RoPE ``linear``, ``dynamic``, ``llama3`` and ``yarn``
+  use transformers' formulas; other ``rope_type`` values and ``partial_rotary_factor`` are
+  refused. An explicit ``head_dim`` is kept;
+- attention biases: Qwen2's q/k/v biases, Llama's and Qwen3's ``attention_bias`` (q, k, v
+  and o); Qwen3's q/k RMSNorm;
+- sliding windows: Mistral's ``sliding_window``, Qwen2/Qwen3's ``use_sliding_window`` when
+  every layer slides (``layer_types`` mixing full and sliding layers is refused);
 - SwiGLU MLP (``hidden_act`` silu, no MLP bias), RMSNorm with the file's ``rms_norm_eps``
   (hyla uses one eps for every norm), tied or untied embeddings;
-- attention biases: hyla's attention layer has none. Qwen2 always declares q/k/v biases;
-  they load when they are all zero (as a freshly initialised model's are) and are refused
-  otherwise, since dropping them would change the model. Llama/Mistral ``attention_bias``
-  likewise.
+- every tensor of the file must have its place: one the config does not declare (a bias
+  with ``attention_bias: false``) is refused rather than dropped.
 
-Export writes a ``LlamaForCausalLM`` directory (fp32 safetensors, ``config.json``, the
-tokenizer as ``tokenizer.json`` + ``tokenizer_config.json``) from a hyla model whose layers
-are all ``A``; ``transformers`` loads it and gives the same logits.
+Export writes a transformers directory (fp32 safetensors, ``config.json``, the tokenizer as
+``tokenizer.json`` + ``tokenizer_config.json``) from a hyla model whose layers are all ``A``:
+``LlamaForCausalLM``, or Qwen3 / Qwen2 / Mistral when its q/k norms, biases or window need
+them (:func:`export_family`); ``transformers`` loads it and gives the same logits.
 """
 
 from __future__ import annotations
@@ -35,10 +40,11 @@ from safetensors.torch import save_file
 
 from hyla.model.config import HylaConfig
 from hyla.model.formats.hf_tokenizer import load_hf_tokenizer, save_hf_tokenizer
+from hyla.model.layers import check_rope_scaling
 from hyla.model.model import HylaLM
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 EXPORT_FORMATS = ("llama",)
 
 _LAYER_MAP = {  # hyla block suffix -> transformers decoder-layer suffix
@@ -52,7 +58,6 @@ _LAYER_MAP = {  # hyla block suffix -> transformers decoder-layer suffix
     "mlp.up_proj.weight": "mlp.up_proj.weight",
     "mlp.down_proj.weight": "mlp.down_proj.weight",
 }
-_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 
 
 def is_hf_directory(path: str | os.PathLike) -> bool:
@@ -93,29 +98,79 @@ def hf_config_to_hyla(hf: dict, source: str = "config.json") -> HylaConfig:
     if act not in ("silu", "swish"):
         raise ValueError(f"{source}: hidden_act {act!r} is not supported: expected 'silu' "
                          f"(SwiGLU)")
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and int(head_dim) * heads != d:
-        raise ValueError(f"{source}: head_dim {head_dim} is not supported: hyla needs "
-                         f"head_dim = hidden_size / num_attention_heads = {d // heads}")
     if hf.get("mlp_bias"):
         raise ValueError(f"{source}: mlp_bias=true is not supported: hyla's SwiGLU has no bias")
-    if hf.get("sliding_window") is not None and (kind != "qwen2" or hf.get("use_sliding_window")):
-        raise ValueError(f"{source}: sliding_window={hf['sliding_window']} is not supported: "
-                         f"hyla's attention is full causal (set it to null if your sequences "
-                         f"are no longer than the window)")
+    head_dim = int(hf.get("head_dim") or d // heads)
+    theta, scaling = _rope(hf, source)
+    bias = bool(hf.get("attention_bias", False))
     return HylaConfig(vocab_size=vocab, d_model=d, layers="A" * n_layers, n_heads=heads,
                       n_kv_heads=kv, ffn_dim=ffn, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                      rope_theta=_rope_theta(hf, source),
-                      tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+                      rope_theta=theta, rope_scaling=scaling,
+                      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                      attention_head_dim=None if head_dim * heads == d else head_dim,
+                      attention_bias=kind == "qwen2" or (kind != "mistral" and bias),
+                      attention_out_bias=kind in ("llama", "qwen3") and bias,
+                      qk_norm=kind == "qwen3", sliding_window=_window(hf, kind, n_layers, source))
 
 
-def _rope_theta(hf: dict, source: str) -> float:
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"{source}: rope_type {rope_type!r} is not supported: expected "
-                         f"'default' (plain RoPE, no scaling)")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+def _window(hf: dict, kind: str, n_layers: int, source: str) -> int | None:
+    """The one sliding window of every layer, or None; mixed full/sliding layers refused."""
+    window = hf.get("sliding_window")
+    types = hf.get("layer_types")
+    if types is None:
+        if kind == "mistral":
+            types = ["sliding_attention" if window is not None else "full_attention"] * n_layers
+        elif kind in ("qwen2", "qwen3"):
+            slide = hf.get("use_sliding_window") and window is not None
+            first = int(hf.get("max_window_layers") or 0)
+            types = ["sliding_attention" if slide and i >= first else "full_attention"
+                     for i in range(n_layers)]
+        else:
+            types = ["full_attention"] * n_layers
+    kinds = set(types)
+    if not kinds <= {"full_attention", "sliding_attention"} or len(types) != n_layers:
+        raise ValueError(f"{source}: layer_types {types!r} is not supported: expected "
+                         f"{n_layers} of 'full_attention' / 'sliding_attention'")
+    if kinds == {"full_attention", "sliding_attention"}:
+        raise ValueError(f"{source}: layer_types mixes full and sliding-window attention "
+                         f"(use_sliding_window / max_window_layers): hyla has one window for "
+                         f"every attention layer")
+    if kinds == {"sliding_attention"}:
+        if not isinstance(window, int) or window <= 0:
+            raise ValueError(f"{source}: sliding_window {window!r} must be a positive int")
+        return window
+    return None
+
+
+def _rope(hf: dict, source: str) -> tuple[float, dict | None]:
+    """(rope_theta, hyla rope_scaling) from ``rope_parameters`` (transformers 5) or
+    ``rope_scaling`` + ``rope_theta`` (older files)."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if params and not isinstance(params.get("rope_type", params.get("type", "")), str):
+        raise ValueError(f"{source}: rope_parameters per layer type are not supported")
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"{source}: partial_rotary_factor {partial} is not supported: hyla "
+                         f"rotates the whole head")
+    if kind == "default":
+        return theta, None
+    if kind in ("llama3", "yarn"):
+        params["original_max_position_embeddings"] = hf.get(
+            "original_max_position_embeddings",
+            params.get("original_max_position_embeddings", hf.get("max_position_embeddings")))
+    if kind == "yarn" and params.get("factor") is None and hf.get("max_position_embeddings"):
+        params["factor"] = hf["max_position_embeddings"] / params[
+            "original_max_position_embeddings"]
+    if kind == "dynamic":      # transformers rescales beyond max_position_embeddings
+        params["original_max_position_embeddings"] = hf.get("max_position_embeddings")
+    scaling = {"rope_type": kind, **params}
+    try:
+        check_rope_scaling(scaling, f"{source}: rope_parameters")
+    except ValueError as e:
+        raise ValueError(str(e)) from None
+    return theta, scaling
 
 
 def _read_weights(root: pathlib.Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -147,28 +202,50 @@ def _read_weights(root: pathlib.Path, dtype: torch.dtype) -> dict[str, torch.Ten
 
 def hf_state_to_hyla(weights: dict[str, torch.Tensor], cfg: HylaConfig,
                      source: str = "model.safetensors") -> dict[str, torch.Tensor]:
-    """Rename a transformers state dict to hyla's (checking shapes and refusing non-zero
-    attention biases)."""
+    """Rename a transformers state dict to hyla's. Every tensor of the file must have a
+    place in ``cfg``'s model: one that would be dropped (a bias the config does not declare,
+    say) is refused, since the model would then compute something else."""
+    weights = dict(weights)
     out = {"embed.weight": _take(weights, "model.embed_tokens.weight", source),
            "norm.weight": _take(weights, "model.norm.weight", source)}
+    head = weights.pop("lm_head.weight", None)
     if not cfg.tie_embeddings:
-        out["lm_head.weight"] = _take(weights, "lm_head.weight", source)
+        if head is None:
+            raise ValueError(f"{source} has no tensor 'lm_head.weight' (tie_word_embeddings "
+                             f"is false): expected a Llama-style state dict")
+        out["lm_head.weight"] = head
+    elif head is not None and not torch.equal(head, out["embed.weight"]):
+        raise ValueError(f"{source}: lm_head.weight differs from model.embed_tokens.weight "
+                         f"although tie_word_embeddings is true")
     for i in range(cfg.n_layers):
-        for ours, theirs in _LAYER_MAP.items():
+        for ours, theirs in _layer_map(cfg).items():
             out[f"blocks.{i}.{ours}"] = _take(weights, f"model.layers.{i}.{theirs}", source)
-        for bias in _BIASES:
-            b = weights.get(f"model.layers.{i}.{bias}")
-            if b is not None and bool(b.abs().max() > 0):
-                raise ValueError(f"{source}: model.layers.{i}.{bias} is non-zero: hyla's "
-                                 f"attention layers have no q/k/v bias, so this model cannot "
-                                 f"be converted exactly")
+    left = sorted(k for k in weights if not k.endswith("rotary_emb.inv_freq"))
+    if left:
+        raise ValueError(f"{source} has tensors the config does not account for: {left[:4]} "
+                         f"(a bias or norm config.json does not declare): refused, since "
+                         f"dropping them would change the model")
     return out
+
+
+def _layer_map(cfg: HylaConfig) -> dict[str, str]:
+    """hyla block suffix -> transformers decoder-layer suffix, for the tensors ``cfg`` has."""
+    layer_map = dict(_LAYER_MAP)
+    if cfg.attention_bias:
+        layer_map |= {f"mixer.{p}.bias": f"self_attn.{p}.bias"
+                      for p in ("q_proj", "k_proj", "v_proj")}
+    if cfg.attention_out_bias:
+        layer_map["mixer.o_proj.bias"] = "self_attn.o_proj.bias"
+    if cfg.qk_norm:
+        layer_map |= {"mixer.q_norm.weight": "self_attn.q_norm.weight",
+                      "mixer.k_norm.weight": "self_attn.k_norm.weight"}
+    return layer_map
 
 
 def _take(weights: dict, key: str, source: str) -> torch.Tensor:
     if key not in weights:
         raise ValueError(f"{source} has no tensor {key!r}: expected a Llama-style state dict")
-    return weights[key]
+    return weights.pop(key)
 
 
 def load_hf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
@@ -197,42 +274,84 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
         raise ValueError(f"{source} is not valid JSON: {e}") from e
     cfg = hf_config_to_hyla(hf, source)
     state = hf_state_to_hyla(_read_weights(root, dtype), cfg, str(root / "model.safetensors"))
+    return hyla_model_from(cfg, state, str(root), source, dtype=dtype, device=device), \
+        load_hf_tokenizer(root, cfg.vocab_size)
+
+
+def hyla_model_from(cfg: HylaConfig, state: dict[str, torch.Tensor], where: str, source: str,
+                    *, dtype: torch.dtype, device) -> HylaLM:
+    """A HylaLM of ``cfg`` (eval mode) holding ``state`` (hyla names), every shape checked
+    against the config on the meta device before any memory is allocated."""
     with torch.device("meta"):
         model = HylaLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.embed.weight
     for key, tensor in state.items():
         param = model.get_parameter(key)
         if param.shape != tensor.shape:
-            raise ValueError(f"{root}: tensor for {key} has shape {tuple(tensor.shape)}, "
+            raise ValueError(f"{where}: tensor for {key} has shape {tuple(tensor.shape)}, "
                              f"{source} implies {tuple(param.shape)}")
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
     model.load_state_dict(state, strict=not cfg.tie_embeddings)
-    tokenizer = load_hf_tokenizer(root, cfg.vocab_size)
-    return model.eval(), tokenizer
+    return model.eval()
+
+
+def export_family(cfg: HylaConfig) -> str:
+    """The transformers family an all-attention config exports as: Llama unless it needs
+    another (q/k norm: Qwen3; q/k/v biases without an o bias: Qwen2; a window without biases:
+    Mistral); ValueError naming the field when none has its features."""
+    if cfg.qk_norm:
+        if cfg.attention_bias != cfg.attention_out_bias:
+            raise ValueError("qk_norm with attention_bias != attention_out_bias has no "
+                             "transformers family (Qwen3 has both biases or neither)")
+        return "qwen3"
+    if cfg.attention_bias and not cfg.attention_out_bias:
+        return "qwen2"
+    if cfg.attention_out_bias and not cfg.attention_bias:
+        raise ValueError("attention_out_bias without attention_bias has no transformers family")
+    if cfg.sliding_window is not None:
+        if cfg.attention_bias:
+            raise ValueError("sliding_window with attention biases on q, k, v and o has no "
+                             "transformers family (Llama has no window, Mistral no biases)")
+        return "mistral"
+    return "llama"
 
 
 def hyla_to_hf_config(cfg: HylaConfig, max_positions: int = 32768) -> dict:
-    """The ``LlamaForCausalLM`` config.json of an all-attention hyla config."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    """The transformers config.json of an all-attention hyla config (:func:`export_family`)."""
+    kind = export_family(cfg)
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling:
+        rope = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
+        if rope["rope_type"] == "dynamic":      # transformers' length for dynamic scaling
+            max_positions = rope.pop("original_max_position_embeddings")
+    hf = {
+        "architectures": [ARCHITECTURES[kind]], "model_type": kind,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
         "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": cfg.rope_theta, "rope_parameters": rope,
         "max_position_embeddings": max_positions, "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+        "attention_bias": cfg.attention_out_bias, "mlp_bias": False, "attention_dropout": 0.0,
         "initializer_range": cfg.initializer_range, "use_cache": True,
         "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
         "torch_dtype": "float32", "dtype": "float32",
     }
+    if kind == "mistral":
+        hf["sliding_window"] = cfg.sliding_window
+    elif kind in ("qwen2", "qwen3"):
+        slide = cfg.sliding_window is not None
+        hf |= {"use_sliding_window": slide, "sliding_window": cfg.sliding_window,
+               "max_window_layers": 0 if slide else cfg.n_layers,
+               "layer_types": [("sliding_attention" if slide else "full_attention")] * cfg.n_layers}
+    return hf
 
 
 def export_hf(model: HylaLM, tokenizer, out_dir: str | os.PathLike, *,
               fmt: str = "llama") -> pathlib.Path:
-    """Write an all-attention hyla model as a transformers ``LlamaForCausalLM`` directory.
+    """Write an all-attention hyla model as a transformers directory (``LlamaForCausalLM``,
+    or the family :func:`export_family` picks for its attention features).
 
     Example:
         >>> import tempfile, dataclasses
@@ -257,7 +376,7 @@ def export_hf(model: HylaLM, tokenizer, out_dir: str | os.PathLike, *,
     if not cfg.tie_embeddings:
         state["lm_head.weight"] = sd["lm_head.weight"]
     for i in range(cfg.n_layers):
-        for ours, theirs in _LAYER_MAP.items():
+        for ours, theirs in _layer_map(cfg).items():
             state[f"model.layers.{i}.{theirs}"] = sd[f"blocks.{i}.{ours}"]
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     hf_cfg = hyla_to_hf_config(cfg)

@@ -103,10 +103,11 @@ def _edit_config(path, **changes):
 @pytest.mark.parametrize("changes,match", [
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "rope_type 'llama3'"),
-    ({"head_dim": 32}, "head_dim"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type 'longrope'"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "missing.*'factor'"),
+    ({"head_dim": 32}, "q_proj.weight has shape"),
     ({"vocab_size": 200}, "has shape"),
-], ids=["arch", "act", "rope", "head_dim", "vocab"])
+], ids=["arch", "act", "rope", "rope-params", "head_dim", "vocab"])
 def test_bad_config(tmp_path, bpe, changes, match):
     path, _ = _hf_dir(tmp_path, "llama", bpe)
     _edit_config(path, **changes)
@@ -125,12 +126,12 @@ def test_tokenizer_mismatch(tmp_path, bpe):
         load_hf(path)
 
 
-def test_qwen2_nonzero_bias_refused(tmp_path, bpe):
-    path, model = _hf_dir(tmp_path, "qwen2", bpe)
-    with torch.no_grad():
-        model.model.layers[1].self_attn.k_proj.bias.fill_(0.1)
-    model.save_pretrained(path, safe_serialization=True)
-    with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.k_proj\.bias is non-zero"):
+def test_undeclared_tensor_refused(tmp_path, bpe):
+    """A tensor the config does not declare (here Llama's biases with attention_bias
+    false) would be dropped: refused, naming it."""
+    path, _ = _hf_dir(tmp_path, "llama", bpe, attention_bias=True)
+    _edit_config(path, attention_bias=False)
+    with pytest.raises(ValueError, match=r"does not account for.*layers\.0\.self_attn"):
         load_hf(path)
 
 
