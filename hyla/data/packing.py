@@ -1,15 +1,22 @@
 """Pack documents into fixed-length training blocks that remember where documents start.
 
 Each block is ``seq_len + 1`` consecutive tokens of the document stream (inputs are the first
-``seq_len``, labels the last ``seq_len``); consecutive blocks overlap by one token so no
-target is skipped. Within a block, ``cu_seqlens`` marks the documents, so the GLA state
-resets and attention is masked at every boundary, and the label that would predict a new
-document's first token from the previous document is -100.
+``seq_len``, labels the last ``seq_len``); consecutive blocks of the stream overlap by one
+token so no target is skipped. Within a block, ``cu_seqlens`` marks the documents, so the GLA
+state resets and attention is masked at every boundary, and the label that would predict a
+new document's first token from the previous document is -100.
 
-The order is deterministic: the documents of epoch e are visited in a permutation drawn from
-``seed + e`` (file-level: folders and the stdlib corpus; ``.jsonl`` keeps file order). The
-position (epoch, document, token offset) is a small dict that a checkpoint stores, and a
-stream restored from it yields exactly the blocks the original would have.
+Mixing happens at two levels. The documents of epoch e are visited in a permutation drawn
+from ``seed + e`` (file-level: folders and the stdlib corpus; ``.jsonl`` keeps file order).
+Then, with ``shuffle_buffer=N``, the blocks cut from that stream pass through a shuffle buffer
+of N blocks (from many documents at once): each ``next`` tops the buffer up to N blocks and
+hands out one drawn at random, so consecutive blocks are close to independent instead of
+coming from one or two files. The draws are deterministic given the seed.
+
+The position is a dict that a checkpoint stores: where the stream's next block starts
+(epoch, document, token offset) and, with a buffer, the number of draws so far and the
+buffered blocks themselves. A stream restored from it yields exactly the blocks the original
+would have.
 """
 
 from __future__ import annotations
@@ -31,6 +38,16 @@ class PackedBlocks:
     Yields dicts with ``input_ids`` [seq_len], ``labels`` [seq_len] (-100 across document
     boundaries) and ``cu_seqlens`` [n_docs + 1] (int32 offsets into the block).
 
+    Args:
+        documents: a list (file paths or texts, shuffled per epoch when ``shuffle``) or a
+            callable returning a fresh iterator of texts (read in order).
+        tokenizer: has ``encode`` and ``eos_id`` (appended to every document when not None).
+        seq_len: tokens a block.
+        seed: the epochs' document orders and the buffer's draws derive from it.
+        shuffle: permute the documents of every epoch.
+        shuffle_buffer: blocks held in the shuffle buffer (0 or 1: none, stream order).
+        position: a :meth:`position` to resume from.
+
     Example:
         >>> from hyla.data import ByteTokenizer
         >>> docs = lambda: iter(["abc", "defgh"])
@@ -38,27 +55,75 @@ class PackedBlocks:
         >>> b = next(blocks)
         >>> b["input_ids"].tolist(), b["labels"].tolist(), b["cu_seqlens"].tolist()
         ([97, 98, 99, 100], [98, 99, -100, 101], [0, 3, 4])
+        >>> docs = ["a" * 40, "b" * 40, "c" * 40]   # three documents of ten blocks each
+        >>> first = lambda blocks: "".join(chr(next(blocks)["input_ids"][0]) for _ in range(12))
+        >>> first(PackedBlocks(docs, ByteTokenizer(), seq_len=4))    # file-level order only
+        'aaaaaaaaaacc'
+        >>> first(PackedBlocks(docs, ByteTokenizer(), seq_len=4, shuffle_buffer=16))
+        'aacccaabaccb'
     """
 
     def __init__(self, documents: Callable[[], Iterator[str]] | list, tokenizer, seq_len: int,
-                 *, seed: int = 0, shuffle: bool = True, position: dict | None = None):
+                 *, seed: int = 0, shuffle: bool = True, shuffle_buffer: int = 0,
+                 position: dict | None = None):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if shuffle_buffer < 0:
+            raise ValueError(f"shuffle_buffer must be >= 0, got {shuffle_buffer}")
         self.documents, self.tokenizer, self.seq_len = documents, tokenizer, seq_len
-        self.seed, self.shuffle = seed, shuffle
-        self.pos = _check_position(position) if position is not None else \
-            {"epoch": 0, "doc": 0, "offset": 0}
+        self.seed, self.shuffle, self.shuffle_buffer = seed, shuffle, shuffle_buffer
+        pos = _check_position(position, seq_len, shuffle_buffer) if position is not None \
+            else {"epoch": 0, "doc": 0, "offset": 0}
+        # The buffer: (ids [seq_len + 1] int64, document starts [seq_len + 1] bool) a block.
+        self._buffer: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._drawn = pos.pop("drawn", 0)
+        if "buffer_ids" in pos:
+            ids, starts = pos.pop("buffer_ids"), pos.pop("buffer_starts")
+            self._buffer = [(i.long(), s.bool()) for i, s in zip(ids, starts, strict=True)]
+        self.pos = pos
         self._cache: list[tuple[int, int, list[int]]] = []  # tokenized docs from pos onward
         self._reader: tuple[int, int, Iterator[str]] | None = None  # epoch, next doc, source
 
     def position(self) -> dict:
-        """Where the next block starts: store it in a checkpoint, pass it back as ``position``."""
-        return dict(self.pos)
+        """Where the stream resumes: store it in a checkpoint, pass it back as ``position``.
+
+        ``epoch``, ``doc``, ``offset``: the next block the stream cuts; with a shuffle buffer
+        also ``drawn`` (blocks handed out so far) and ``buffer_ids`` / ``buffer_starts``
+        ([n, seq_len + 1] int32 / bool tensors: the buffered blocks, in order).
+        """
+        pos = dict(self.pos)
+        if self.shuffle_buffer > 1:
+            L = self.seq_len + 1
+            pos["drawn"] = self._drawn
+            pos["buffer_ids"] = torch.stack([i for i, _ in self._buffer]).int() \
+                if self._buffer else torch.zeros(0, L, dtype=torch.int32)
+            pos["buffer_starts"] = torch.stack([s for _, s in self._buffer]) \
+                if self._buffer else torch.zeros(0, L, dtype=torch.bool)
+        return pos
 
     def __iter__(self) -> PackedBlocks:
         return self
 
     def __next__(self) -> dict:
+        if self.shuffle_buffer > 1:
+            while len(self._buffer) < self.shuffle_buffer:
+                self._buffer.append(self._next_block())
+            # One generator a draw, seeded by (seed, draw number): nothing to save but the count.
+            i = random.Random(f"{self.seed}:{self._drawn}").randrange(len(self._buffer))
+            self._buffer[i], self._buffer[-1] = self._buffer[-1], self._buffer[i]
+            ids, starts = self._buffer.pop()
+            self._drawn += 1
+        else:
+            ids, starts = self._next_block()
+        labels = ids[1:].clone()
+        labels[starts[1:]] = IGNORE
+        cuts = starts[1:-1].nonzero().flatten().int() + 1
+        cu = torch.cat([torch.tensor([0], dtype=torch.int32), cuts,
+                        torch.tensor([self.seq_len], dtype=torch.int32)])
+        return {"input_ids": ids[:-1], "labels": labels, "cu_seqlens": cu}
+
+    def _next_block(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream's next ``seq_len + 1`` tokens and which of them start a document."""
         need = self.seq_len + 1
         tokens: list[int] = []
         starts: list[bool] = []
@@ -71,12 +136,7 @@ class PackedBlocks:
             tokens += take
             i, offset = i + 1, 0
         self._advance(self.seq_len)
-        ids = torch.tensor(tokens)
-        labels = ids[1:].clone()
-        labels[torch.tensor(starts[1:])] = IGNORE
-        cuts = [t for t in range(1, self.seq_len) if starts[t]]
-        cu = torch.tensor([0, *cuts, self.seq_len], dtype=torch.int32)
-        return {"input_ids": ids[:-1], "labels": labels, "cu_seqlens": cu}
+        return torch.tensor(tokens), torch.tensor(starts)
 
     def _advance(self, n: int) -> None:
         offset = self.pos["offset"] + n
@@ -124,14 +184,26 @@ class PackedBlocks:
         return (_text(self.documents[i]) for i in order)
 
 
-def _check_position(position) -> dict:
+def _check_position(position, seq_len: int, shuffle_buffer: int) -> dict:
     try:
         pos = {key: int(position[key]) for key in ("epoch", "doc", "offset")}
-    except (KeyError, TypeError, ValueError) as e:
+        pos["drawn"] = int(position.get("drawn", 0))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"position must be a dict with int epoch, doc and offset, got "
                          f"{position!r}") from e
     if min(pos.values()) < 0:
         raise ValueError(f"position values must be >= 0, got {position!r}")
+    if "buffer_ids" in position:
+        ids, starts = position["buffer_ids"], position.get("buffer_starts")
+        shape = getattr(ids, "shape", None)
+        if (not isinstance(ids, torch.Tensor) or not isinstance(starts, torch.Tensor)
+                or ids.dim() != 2 or starts.shape != shape or shape[1] != seq_len + 1
+                or shape[0] >= max(shuffle_buffer, 1)):
+            raise ValueError(f"position's buffer_ids / buffer_starts must be two [n, "
+                             f"{seq_len + 1}] tensors with n < shuffle_buffer "
+                             f"({shuffle_buffer}), got {shape} / "
+                             f"{getattr(starts, 'shape', None)}")
+        pos["buffer_ids"], pos["buffer_starts"] = ids, starts
     return pos
 
 
@@ -144,11 +216,12 @@ def _text(item) -> str:
 
 
 def corpus_blocks(data, tokenizer, seq_len: int, *, split: str = "train", seed: int = 0,
-                  position: dict | None = None) -> PackedBlocks:
-    """Blocks from a data source (``None``: the stdlib corpus), shuffled by file for training."""
+                  shuffle_buffer: int = 0, position: dict | None = None) -> PackedBlocks:
+    """Blocks from a data source (``None``: the stdlib corpus), shuffled by file for training
+    and, with ``shuffle_buffer`` > 1, by block through a buffer of that many blocks."""
     files = list_documents(data, split)
     if files is not None:
         return PackedBlocks(files, tokenizer, seq_len, seed=seed, shuffle=split == "train",
-                            position=position)
+                            shuffle_buffer=shuffle_buffer, position=position)
     return PackedBlocks(lambda: iter_documents(data, split), tokenizer, seq_len, seed=seed,
-                        shuffle=False, position=position)
+                        shuffle=False, shuffle_buffer=shuffle_buffer, position=position)

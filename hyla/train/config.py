@@ -29,6 +29,7 @@ class TrainConfig:
     steps: int = 200
     seq_len: int = 256
     batch_size: int = 8  # blocks per micro-batch
+    shuffle_buffer: int = 1024  # blocks mixed at once (hyla.data.packing); 0: file order only
     grad_accum: int = 1
     optimizer: str = "muon"
     lr: float = 3e-3  # AdamW (and Muon's AdamW-side parameters)
@@ -54,6 +55,8 @@ class TrainConfig:
                      "eval_batches", "vocab_size", "tokenizer_documents"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.shuffle_buffer < 0:
+            raise ValueError(f"shuffle_buffer must be >= 0, got {self.shuffle_buffer}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.precision not in PRECISIONS:

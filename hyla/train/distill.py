@@ -147,8 +147,12 @@ class Distiller:
         if state is not None and state["step"] > start:  # saved inside this stage
             restore_optimizers(optimizers, schedulers, state)
             position = state["data_position"]
+        # The buffer holds the same number of tokens in both stages (stage 1's blocks may be
+        # much longer).
+        buffer = max(1, cfg.shuffle_buffer * cfg.seq_len // seq_len) if cfg.shuffle_buffer else 0
         blocks = corpus_blocks(cfg.data, self.tokenizer, seq_len, split="train",
-                               seed=cfg.seed + stage - 1, position=position)
+                               seed=cfg.seed + stage - 1, shuffle_buffer=buffer,
+                               position=position)
         tokens = cfg.stage1_tokens_per_step if stage == 1 else cfg.tokens_per_step
         return Stage(objective=objective, optimizers=optimizers, schedulers=schedulers,
                      blocks=blocks, end=start + steps, batch_size=cfg.batch_size,

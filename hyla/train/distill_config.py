@@ -33,6 +33,7 @@ class DistillConfig:
     seq_len: int = 512  # stage 2 (and validation)
     stage1_seq_len: int | None = None  # None: seq_len
     batch_size: int = 4
+    shuffle_buffer: int = 256  # blocks of seq_len mixed at once; stage 1 holds as many tokens
     optimizer: str = "muon"
     lr: float = 3e-3  # stage 2, AdamW (and Muon's AdamW-side parameters)
     muon_lr: float = 0.02
@@ -60,7 +61,7 @@ class DistillConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got "
                                  f"{getattr(self, name)}")
-        for name in ("stage1_steps", "stage2_steps", "warmup_steps"):
+        for name in ("stage1_steps", "stage2_steps", "warmup_steps", "shuffle_buffer"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 0, got "
                                  f"{getattr(self, name)}")

@@ -79,7 +79,8 @@ class Trainer:
             torch.set_rng_state(state["rng"])
             step, position = state["step"], state["data_position"]
         blocks = corpus_blocks(cfg.data, self.tokenizer, cfg.seq_len, split="train",
-                               seed=cfg.seed, position=position)
+                               seed=cfg.seed, shuffle_buffer=cfg.shuffle_buffer,
+                               position=position)
         if self.world > 1:
             blocks = distributed.StridedBlocks(blocks, self.rank, self.world)
         objective = LanguageModelling(self.model, precision=cfg.precision,
@@ -105,11 +106,11 @@ class Trainer:
 
     def _tokenizer(self, resuming: bool, init=None):
         path = self.out / "tokenizer.json"
-        if resuming or path.is_file():
         if init is not None:                  # the initial model's own, kept beside the run
             if self.rank == 0 and not path.is_file() and hasattr(init[1], "save"):
                 init[1].save(path)
             return init[1]
+        if resuming or path.is_file():
             return load_tokenizer(self.out)
         docs = iter_documents(self.cfg.data, "train")
         sample = (d for _, d in zip(range(self.cfg.tokenizer_documents), docs, strict=False))
