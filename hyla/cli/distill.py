@@ -1,8 +1,9 @@
 """``hyla distill`` and ``hyla export``: thin maps onto hyla.train.distill and
-hyla.model.formats.hf.
+hyla.model.formats.hf / hyla.model.formats.fla.
 
 Example:
     $ hyla export --format llama runs/teacher runs/teacher-hf
+    $ hyla export --format fla runs/student runs/student-fla
     $ hyla distill --teacher runs/teacher-hf --layers GGGAGGGA --out runs/student
     $ hyla distill --resume runs/student
 """
@@ -56,9 +57,10 @@ def add_distill(sub) -> argparse.ArgumentParser:
 
 def add_export(sub) -> argparse.ArgumentParser:
     """Register ``hyla export`` on the ``hyla`` sub-parser set."""
-    p = sub.add_parser("export", help="write an all-attention hyla checkpoint in a "
-                                      "transformers format")
-    p.add_argument("--format", default="llama", choices=["llama"])
+    p = sub.add_parser("export", help="write a hyla model in a format transformers loads")
+    p.add_argument("--format", default="llama", choices=["llama", "fla"],
+                   help="llama: all-attention models; fla: GLA + attention hybrids "
+                        "(flash-linear-attention's GLAForCausalLM)")
     p.add_argument("source", nargs="?", default=None, metavar="checkpoint",
                    help=f"the model: {SOURCE_HELP} (or --checkpoint)")
     p.add_argument("out", help="output directory (loads with transformers)")
@@ -98,6 +100,11 @@ def cmd_export(args: argparse.Namespace, out: Console) -> int:
         raise ValueError("export needs the model once: hyla export SOURCE OUT or "
                          "hyla export --checkpoint SOURCE OUT")
     model, tok = load_source(args.checkpoint or args.source)
-    target = export_hf(model, tok, args.out, fmt=args.format)
+    if args.format == "fla":
+        from hyla.model.formats.fla import export_fla
+
+        target = export_fla(model, tok, args.out)
+    else:
+        target = export_hf(model, tok, args.out, fmt=args.format)
     out.print(f"wrote {target} ({args.format}, {model.num_parameters():,} parameters)")
     return 0
