@@ -44,8 +44,8 @@ class SequenceState:
     Example:
         >>> from hyla.model.config import preset
         >>> st = SequenceState.empty(preset("debug"))
-        >>> st.num_tokens, st.bytes_by_kind()
-        (0, {'gla': 6144, 'attention': 0})
+        >>> st.num_tokens, st.bytes_by_kind()["gla"], st.bytes_by_kind()["attention"]
+        (0, 6144, 0)
         >>> SequenceState.unflatten(st.flatten()).nbytes == st.nbytes
         True
     """

@@ -12,11 +12,11 @@ from hyla.eval.memory import (
     parse_context,
     state_bytes,
 )
-from hyla.model import HylaLM, SequenceState, preset
+from hyla.model import MIXERS, HylaLM, SequenceState, preset
 
 
 @pytest.mark.parametrize("n", [1, 17, 100], ids=lambda n: f"N{n}")
-@pytest.mark.parametrize("layers", ["GGGA", "AGAG", "GGGG", "AAA"])
+@pytest.mark.parametrize("layers", ["GGGA", "AGAG", "GGGG", "AAA", "GDKA"])
 def test_formula_matches_prefilled_state(layers, n):
     cfg = dataclasses.replace(preset("debug"), layers=layers)
     torch.manual_seed(0)
@@ -26,7 +26,7 @@ def test_formula_matches_prefilled_state(layers, n):
     want = state_bytes(cfg, n, kv_dtype=torch.float32)  # the debug model runs in fp32
     assert state.num_tokens == n
     assert state.nbytes == want["total"]
-    assert state.bytes_by_kind() == {"gla": want["gla"], "attention": want["attention"]}
+    assert state.bytes_by_kind() == {m.kind: want[m.kind] for m in MIXERS.values()}
     assert sum(want["per_layer"]) == want["total"]
     # and after decoding one more token
     model.decode(torch.tensor([1]), [state])

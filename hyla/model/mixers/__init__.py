@@ -1,6 +1,7 @@
 """The layer kinds of a hybrid model, one module each, behind the :class:`Mixer` protocol.
 
-``G``: gated linear attention (:mod:`.gla`); ``A``: softmax attention (:mod:`.attention`).
+``G``: gated linear attention (:mod:`.gla`); ``A``: softmax attention (:mod:`.attention`);
+``D`` (and ``K``, its per-key-channel decay): the gated delta rule (:mod:`.deltanet`).
 A new kind is one module that subclasses :class:`Mixer` and registers its letter.
 """
 
@@ -14,7 +15,8 @@ from hyla.model.mixers.base import (
     mixer_of_kind,
     register_mixer,
 )
+from hyla.model.mixers.deltanet import GatedDeltaMixer, KDAMixer
 from hyla.model.mixers.gla import GLAMixer
 
-__all__ = ["MIXERS", "AttentionMixer", "GLAMixer", "Mixer", "StateSpec", "TensorSpec",
-           "layer_specs", "mixer_of_kind", "register_mixer"]
+__all__ = ["MIXERS", "AttentionMixer", "GLAMixer", "GatedDeltaMixer", "KDAMixer", "Mixer",
+           "StateSpec", "TensorSpec", "layer_specs", "mixer_of_kind", "register_mixer"]

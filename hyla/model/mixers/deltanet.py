@@ -1,0 +1,224 @@
+"""``D``: Gated DeltaNet (Yang, Kautz, Hatamizadeh, ICLR 2025); ``K``: the same layer with a
+decay per key channel (Kimi Delta Attention's gate).
+
+The layer as the literature builds it: q, k, v projections, each through a short causal
+depthwise convolution and SiLU; q and k L2-normalised; ``beta = sigmoid(b_proj(x))``; the
+log decay ``g = -exp(A_log) * softplus(a_proj(x) + dt_bias)`` (Mamba2's A and dt), one a
+head (``D``) or one a key channel (``K``); the gated delta rule
+(:mod:`hyla.ops.deltanet`); output ``o_proj(rmsnorm_per_head(o) * silu(g_proj(x)))``.
+
+State per sequence: the [n_heads, head_k_dim, head_v_dim] float32 matrix and the short
+convolution's last ``kernel - 1`` inputs (q, k and v channels), both of fixed size, so the
+serving engine, prefix-cache snapshots and state transfer carry them like any fixed state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyla.model.layers import RMSNorm
+from hyla.model.mixers.base import (
+    Mixer,
+    StateSpec,
+    TensorSpec,
+    expand_kv_heads,
+    register_mixer,
+)
+from hyla.ops.deltanet import chunk_gated_delta, delta_decode_step, l2norm
+
+CONV_KERNEL = 4
+# Tokens: the fastest and slowest decay a layer starts from when it is initialised from an
+# attention layer (distillation), spread log-uniformly over heads (D) or key channels (K).
+TIMESCALES = (16.0, 4096.0)
+
+
+@register_mixer("D")
+class GatedDeltaMixer(Mixer):
+    """Gated DeltaNet: one decay a head. q, k: d_model -> key_dim; v, g: d_model ->
+    value_dim (``cfg.expand_k``, ``cfg.expand_v`` as for GLA, so the state has GLA's shape).
+
+    Example:
+        >>> from hyla.model.config import preset
+        >>> from hyla.model.context import Context
+        >>> layer = GatedDeltaMixer(preset("debug"))
+        >>> ids = torch.zeros(2, 5, dtype=torch.long)
+        >>> layer(torch.randn(2, 5, 64), Context.train(ids)).shape
+        torch.Size([2, 5, 64])
+    """
+
+    kind = "gated_delta"
+    label = "Gated DeltaNet"
+    per_channel = False         # one decay a key channel (KDA) instead of one a head
+
+    def __init__(self, cfg, layer_idx: int = 0):
+        super().__init__(cfg, layer_idx)
+        d, kd, vd, H = cfg.d_model, cfg.key_dim, cfg.value_dim, cfg.n_heads
+        self.q_proj = nn.Linear(d, kd, bias=False)
+        self.k_proj = nn.Linear(d, kd, bias=False)
+        self.v_proj = nn.Linear(d, vd, bias=False)
+        channels = 2 * kd + vd
+        self.conv = nn.Conv1d(channels, channels, CONV_KERNEL, groups=channels, bias=False)
+        self.b_proj = nn.Linear(d, H, bias=False)
+        decays = kd if self.per_channel else H
+        self.a_proj = nn.Linear(d, decays, bias=False)
+        # Mamba2's initialisation: A in [1, 16], dt in [1e-3, 1e-1] log-uniformly.
+        self.A_log = nn.Parameter(torch.empty(H).uniform_(1, 16).log())
+        dt = torch.exp(torch.empty(decays).uniform_(math.log(1e-3), math.log(1e-1)))
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))   # softplus^-1(dt)
+        self.g_proj = nn.Linear(d, vd, bias=False)
+        self.o_norm = RMSNorm(cfg.head_v_dim, eps=cfg.norm_eps)
+        self.o_proj = nn.Linear(vd, d, bias=False)
+
+    @classmethod
+    def state_spec(cls, cfg) -> StateSpec:
+        shape = (cfg.n_heads, cfg.head_k_dim, cfg.head_v_dim)
+        conv = (CONV_KERNEL - 1, 2 * cfg.key_dim + cfg.value_dim)
+        return StateSpec(cls.kind, fixed=(TensorSpec("state", shape, torch.float32),
+                                          TensorSpec("conv", conv)))
+
+    @classmethod
+    def token_flops(cls, cfg) -> float:
+        # S^T k, the rank-1 update and the readout (2 FLOPs a state entry each), the conv
+        return (6 * cfg.n_heads * cfg.head_k_dim * cfg.head_v_dim
+                + 2 * CONV_KERNEL * (2 * cfg.key_dim + cfg.value_dim))
+
+    @torch.no_grad()
+    def init_from_attention(self, teacher: nn.Module) -> None:
+        """q, k, v and o from the teacher's attention (needs ``expand_k = expand_v = 1``, so
+        each head has the teacher's head dim; KV heads repeated for every query head). The
+        convolution starts as the identity (it passes the current token through), the decays
+        input-independent and slow (:func:`slow_dt_bias`: 16 to 4,096 tokens), ``beta`` at
+        0.5 (``b_proj = 0``). Rotary positions, softmax and the delta rule's overwriting are
+        what distillation must make up for; ``g_proj`` and the output norm stay fresh."""
+        heads, H = teacher.cfg.n_kv_heads, self.cfg.n_heads
+        self.q_proj.weight.copy_(teacher.q_proj.weight)
+        self.o_proj.weight.copy_(teacher.o_proj.weight)
+        self.k_proj.weight.copy_(expand_kv_heads(teacher.k_proj.weight, heads, H))
+        self.v_proj.weight.copy_(expand_kv_heads(teacher.v_proj.weight, heads, H))
+        self.conv.weight.zero_()
+        self.conv.weight[:, 0, -1] = 1.0
+        self.b_proj.weight.zero_()
+        self.a_proj.weight.zero_()
+        self.A_log.zero_()
+        self.dt_bias.copy_(slow_dt_bias(self.cfg, self.per_channel))
+
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d_model] -> log decays float32 <= 0: [B, T, H] (``D``) or [B, T, H, K]."""
+        B, T, _ = x.shape
+        H = self.cfg.n_heads
+        a = F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        if self.per_channel:
+            return -self.A_log.float().exp()[:, None] * a.view(B, T, H, -1)
+        return -self.A_log.float().exp() * a
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        B, T, _ = x.shape
+        c = self.cfg
+        H, V = c.n_heads, c.head_v_dim
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        g = self.log_decay(x)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        if ctx.mode == "train":
+            qkv = F.silu(self._conv(qkv, ctx.cu_seqlens, None)[0])
+            q, k, v = self._split(qkv, B, T)
+            o, _ = chunk_gated_delta(q, k, v, g, beta, cu_seqlens=ctx.cu_seqlens,
+                                     chunk_size=c.chunk_size)
+        else:
+            buf = ctx.buffers[self.layer_idx]
+            state, window = ctx.load_fixed(buf["state"]), ctx.load_fixed(buf["conv"])
+            if ctx.mode == "prefill":
+                qkv, window = self._conv(qkv, ctx.cu_seqlens, window)
+                q, k, v = self._split(F.silu(qkv), B, T)
+                o, state = chunk_gated_delta(q, k, v, g, beta, initial_state=state,
+                                             output_final_state=True, cu_seqlens=ctx.cu_seqlens,
+                                             chunk_size=c.chunk_size)
+            else:                              # one token for each of B sequences
+                ext = torch.cat([window.to(qkv.dtype), qkv], dim=1)     # [B, kernel, C]
+                window = ext[:, 1:]
+                qkv = (ext * self.conv.weight[:, 0].T.to(ext.dtype)).sum(1, keepdim=True)
+                q, k, v = self._split(F.silu(qkv), B, T)
+                o = delta_decode_step(q, k, v, g, beta, state)     # updates ``state`` in place
+            ctx.store_fixed(buf["state"], state)
+            ctx.store_fixed(buf["conv"], window.to(buf["conv"].dtype))
+        o = self.o_norm(o) * F.silu(self.g_proj(x).view(B, T, H, V))
+        return self.o_proj(o.reshape(B, T, c.value_dim))
+
+    def _split(self, qkv: torch.Tensor, B: int, T: int):
+        c = self.cfg
+        q, k, v = qkv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        H = c.n_heads
+        return (l2norm(q.reshape(B, T, H, -1)), l2norm(k.reshape(B, T, H, -1)),
+                v.reshape(B, T, H, -1))
+
+    def _conv(self, x: torch.Tensor, cu_seqlens, window):
+        """Causal depthwise convolution of x [B, T, C] over each sequence (a batch row, or a
+        document / chunk of ``cu_seqlens``), continuing after ``window`` [N, kernel - 1, C]
+        (the sequences' previous inputs; None: zeros). Returns (y [B, T, C], the new window:
+        each sequence's last kernel - 1 inputs)."""
+        B, T, C = x.shape
+        n = CONV_KERNEL - 1
+        dev = x.device
+        if cu_seqlens is None:
+            lengths = torch.full((B,), T, device=dev)
+        else:
+            lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        N = lengths.numel()
+        if window is None:
+            window = x.new_zeros(N, n, C)
+        # One table of rows: every sequence's window, then every token; each token reads
+        # rows t, t-1, ..., t-n of its own sequence, falling into its window before its start.
+        rows = torch.cat([window.to(x.dtype).reshape(N * n, C), x.reshape(B * T, C)])
+        seq = torch.repeat_interleave(torch.arange(N, device=dev), lengths)
+        start = torch.cumsum(lengths, 0) - lengths
+        pos = torch.arange(B * T, device=dev) - start[seq]                  # within sequence
+        shift = torch.arange(n + 1, device=dev)
+        back = pos[:, None] - shift[None]                                   # [BT, kernel]
+        idx = torch.where(back >= 0, N * n + (start[seq])[:, None] + back,
+                          seq[:, None] * n + n + back)
+        taps = self.conv.weight[:, 0].flip(-1).T.to(x.dtype)                # [kernel, C]
+        y = (rows[idx] * taps).sum(1).view(B, T, C)
+        # The new window: positions len-n .. len-1 of each sequence (into the old window
+        # where the sequence is shorter than n).
+        last = lengths[:, None] - n + torch.arange(n, device=dev)[None]     # [N, n]
+        widx = torch.where(last >= 0, N * n + start[:, None] + last,
+                           torch.arange(N, device=dev)[:, None] * n + n + last)
+        return y, rows[widx]
+
+
+@register_mixer("K")
+class KDAMixer(GatedDeltaMixer):
+    """The gated delta rule with one decay a key channel (Kimi Linear's KDA gate); otherwise
+    the ``D`` layer.
+
+    Example:
+        >>> from hyla.model.config import preset
+        >>> KDAMixer(preset("debug")).log_decay(torch.randn(2, 3, 64)).shape
+        torch.Size([2, 3, 4, 8])
+    """
+
+    kind = "kda"
+    label = "KDA"
+    per_channel = True
+
+
+def slow_dt_bias(cfg, per_channel: bool) -> torch.Tensor:
+    """dt biases giving decays over 16 ... 4,096 tokens, log-uniformly, with ``A = 1`` and
+    ``a_proj = 0``: over heads ([n_heads]), or over each head's key channels ([key_dim]).
+
+    A state that keeps ``exp(-1 / tau)`` a token needs ``softplus(dt_bias) = 1 / tau``, i.e.
+    ``dt_bias = log(expm1(1 / tau))``.
+
+    Example:
+        >>> from hyla.model.config import preset
+        >>> slow_dt_bias(preset("debug"), False).shape, slow_dt_bias(preset("debug"), True).shape
+        (torch.Size([4]), torch.Size([32]))
+    """
+    lo, hi = TIMESCALES
+    n = cfg.head_k_dim if per_channel else cfg.n_heads
+    tau = torch.logspace(math.log10(lo), math.log10(hi), n, dtype=torch.float64)
+    b = torch.log(torch.expm1(1.0 / tau))
+    return (b.repeat(cfg.n_heads) if per_channel else b).float()
