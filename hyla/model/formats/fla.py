@@ -15,9 +15,10 @@ How fla 0.6's model maps onto hyla (``G`` for a GLA layer, ``A`` for an ``attn``
   loads exactly by repeating k, v and the gate rows of each KV head for its query heads;
   export writes one KV head per head. ``attn_mode`` picks a kernel of the same function.
 - attention: the ``attn`` block's ``num_heads`` must equal ``num_heads`` (hyla has one head
-  count); ``num_kv_heads`` and ``rope_theta`` must agree across ``attn`` specs; rotary is the
-  same half-split layout with ``theta ** (-2i / D)``. ``qkv_bias`` loads when the biases are
-  zero; ``window_size`` is refused (hyla's attention is full causal).
+  count); ``num_kv_heads``, ``rope_theta``, ``qkv_bias`` and ``window_size`` must agree across
+  ``attn`` specs. Rotary is the same half-split layout with ``theta ** (-2i / D)``;
+  ``qkv_bias`` is ``attention_bias`` (q/k/v; fla's o_proj has none) and ``window_size`` is
+  ``sliding_window`` (both: the last ``window`` tokens, the query's own included).
 - blocks: pre-norm RMSNorm (one ``norm_eps`` for every norm, as fla), SwiGLU MLP
   (``intermediate_size``, or fla's rule from ``hidden_ratio``), final norm, tied or untied head.
 - refused, ``ValueError`` naming the file and the field: ``feature_map``, ``use_short_conv``,
@@ -25,7 +26,8 @@ How fla 0.6's model maps onto hyla (``G`` for a GLA layer, ``A`` for an ``attn``
   ``attnres_block_size``, ``use_gk: false``, ``use_gv: true``, a ``gate_logit_normalizer`` or
   ``gate_low_rank_dim`` other than 16, unknown ``attn`` keys, and any tensor hyla would not
   use. Export refuses layer kinds other than GLA and attention, a normaliser or gate rank
-  other than 16, and any other hyla config field away from its default.
+  other than 16, and any other hyla config field away from its default (an o_proj bias,
+  q/k norms, scaled RoPE, an attention head dim other than ``d_model / n_heads``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ from hyla.model.model import HylaLM
 MODEL_TYPE = "gla"                   # GLAConfig.model_type
 FIXED_GATE = 16                      # fla's GLA gate_logit_normalizer and gate_low_rank_dim
 _ATTN_KEYS = {"layers", "num_heads", "num_kv_heads", "qkv_bias", "window_size", "rope_theta"}
+_ATTN_SHARED = {"num_kv_heads": "n_kv_heads", "rope_theta": "rope_theta",   # attn -> hyla
+                "qkv_bias": "attention_bias", "window_size": "sliding_window"}
 # fla fields that must hold these values (fla's defaults) for hyla to compute the same thing
 _REQUIRED = {"feature_map": None, "use_short_conv": False, "use_output_gate": True,
              "clamp_min": None, "hidden_act": "swish", "attnres_block_size": None,
@@ -58,33 +62,26 @@ _REQUIRED = {"feature_map": None, "use_short_conv": False, "use_output_gate": Tr
 # hyla config fields export_fla writes (or checks); any other one must keep its default
 _EXPORTED = {"vocab_size", "d_model", "layers", "n_heads", "ffn_dim", "n_kv_heads", "expand_k",
              "expand_v", "norm_eps", "rope_theta", "tie_embeddings", "initializer_range",
-             "chunk_size", "gate_low_rank_dim", "gate_logit_normalizer"}
+             "chunk_size", "gate_low_rank_dim", "gate_logit_normalizer", "attention_bias",
+             "sliding_window"}
 
 
 @dataclass(frozen=True)
 class _LayerFormat:
-    """How one hyla mixer kind is stored under ``model.layers.<i>.attn.`` in fla."""
+    """How one hyla mixer kind is stored under ``model.layers.<i>.attn.`` in fla: every
+    parameter under its hyla name unless renamed."""
 
-    names: dict[str, str]                        # hyla mixer suffix -> fla attn suffix
+    renames: dict[str, str] = dataclasses.field(default_factory=dict)
     grouped: frozenset[str] = frozenset()        # rows per KV head in fla (GLA num_kv_heads)
-    biases: tuple[str, ...] = ()                 # fla tensors that must be zero (qkv_bias)
 
 
-_PROJ = {f"{p}.weight": f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
 _FORMATS = {
-    GLAMixer: _LayerFormat(
-        names=_PROJ | {"g_proj.weight": "g_proj.weight", "gk_proj.0.weight": "gk_proj.0.weight",
-                       "gk_proj.1.weight": "gk_proj.1.weight",
-                       "gk_proj.1.bias": "gk_proj.1.bias",
-                       "g_norm.weight": "g_norm_swish_gate.weight"},
-        grouped=frozenset({"k_proj.weight", "v_proj.weight", "gk_proj.1.weight",
-                           "gk_proj.1.bias"})),
-    AttentionMixer: _LayerFormat(names=_PROJ,
-                                 biases=("q_proj.bias", "k_proj.bias", "v_proj.bias")),
+    GLAMixer: _LayerFormat(renames={"g_norm.weight": "g_norm_swish_gate.weight"},
+                           grouped=frozenset({"k_proj.weight", "v_proj.weight",
+                                              "gk_proj.1.weight", "gk_proj.1.bias"})),
+    AttentionMixer: _LayerFormat(),
 }
 _UNFUSED = {"g_norm_swish_gate.weight": "g_norm.weight"}     # fuse_norm: false
-_BLOCK = {"mixer_norm.weight": "attn_norm.weight", "mlp_norm.weight": "mlp_norm.weight",
-          **{f"mlp.{p}.weight": f"mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}}
 _TOP = {"embed.weight": "model.embeddings.weight", "norm.weight": "model.norm.weight",
         "lm_head.weight": "lm_head.weight"}
 
@@ -139,7 +136,7 @@ def fla_config_to_hyla(fla: dict, source: str = "config.json") -> tuple[HylaConf
         n_layers, vocab = int(fla["num_hidden_layers"]), int(fla["vocab_size"])
     except KeyError as e:
         raise ValueError(f"{source} has no {e.args[0]!r}: expected a complete GLA config") from None
-    attn_layers, kv_heads, theta = _attention_spec(fla.get("attn"), heads, n_layers, source)
+    attn_layers, attention = _attention_spec(fla.get("attn"), heads, n_layers, source)
     gla_kv = fla.get("num_kv_heads") or heads
     if heads % gla_kv:
         raise ValueError(f"{source}: num_kv_heads={gla_kv} must divide num_heads={heads}")
@@ -148,11 +145,11 @@ def fla_config_to_hyla(fla: dict, source: str = "config.json") -> tuple[HylaConf
     try:
         cfg = HylaConfig(
             vocab_size=vocab, d_model=d, layers="".join(letters), n_heads=heads,
-            n_kv_heads=kv_heads, ffn_dim=_ffn_dim(fla, d), expand_k=float(fla.get("expand_k", 0.5)),
+            ffn_dim=_ffn_dim(fla, d), expand_k=float(fla.get("expand_k", 0.5)),
             expand_v=float(fla.get("expand_v", 1.0)), gate_low_rank_dim=FIXED_GATE,
             gate_logit_normalizer=float(FIXED_GATE), norm_eps=float(fla.get("norm_eps", 1e-6)),
-            rope_theta=theta, tie_embeddings=bool(fla.get("tie_word_embeddings", False)),
-            initializer_range=float(fla.get("initializer_range", 0.02)))
+            tie_embeddings=bool(fla.get("tie_word_embeddings", False)),
+            initializer_range=float(fla.get("initializer_range", 0.02)), **attention)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{source}: {e}") from e
     layout = _FlaLayout(gla_kv_heads=int(gla_kv), fuse_norm=bool(fla.get("fuse_norm", True)),
@@ -174,15 +171,15 @@ _WHY = {
 }
 
 
-def _attention_spec(attn, heads: int, n_layers: int, source: str) -> tuple[set, int, float]:
-    """(attention layer indices, their KV heads, their rotary theta) from fla's ``attn``."""
+def _attention_spec(attn, heads: int, n_layers: int, source: str) -> tuple[set, dict]:
+    """(attention layer indices, their HylaConfig fields) from fla's ``attn`` block."""
     if attn is None:
-        return set(), heads, 10000.0
+        return set(), {}
     specs = [attn] if isinstance(attn, dict) else attn
     if not isinstance(specs, list) or not all(isinstance(s, dict) for s in specs):
         raise ValueError(f"{source}: attn must be null, an object or a list of objects, got "
                          f"{attn!r}")
-    layers, kv, theta = set(), set(), set()
+    layers, shared = set(), {name: set() for name in _ATTN_SHARED}
     for s in specs:
         unknown = sorted(set(s) - _ATTN_KEYS)
         if unknown:
@@ -191,20 +188,24 @@ def _attention_spec(attn, heads: int, n_layers: int, source: str) -> tuple[set, 
         if s.get("num_heads") != heads:
             raise ValueError(f"{source}: attn.num_heads={s.get('num_heads')!r} is not "
                              f"supported: hyla's attention layers use num_heads={heads}")
-        if s.get("window_size") is not None:
-            raise ValueError(f"{source}: attn.window_size={s['window_size']!r} is not "
-                             f"supported: hyla's attention is full causal")
         bad = [i for i in s.get("layers", []) if not isinstance(i, int) or not 0 <= i < n_layers]
         if bad or not isinstance(s.get("layers"), list):
             raise ValueError(f"{source}: attn.layers={s.get('layers')!r} must list layer "
                              f"indices in [0, {n_layers})")
         layers |= set(s["layers"])
-        kv.add(s.get("num_kv_heads") or heads)
-        theta.add(float(s.get("rope_theta", 10000.0)))
-    if len(kv) > 1 or len(theta) > 1:
-        raise ValueError(f"{source}: attn specs disagree (num_kv_heads {sorted(kv)}, rope_theta "
-                         f"{sorted(theta)}): hyla's attention layers share one of each")
-    return layers, kv.pop(), theta.pop()
+        spec = {"num_kv_heads": heads, "rope_theta": 10000.0, "qkv_bias": False,
+                "window_size": None} | {k: v for k, v in s.items() if v is not None}
+        for name, values in shared.items():
+            values.add(spec[name])
+    fields = {}
+    for name, values in shared.items():
+        if len(values) > 1:
+            raise ValueError(f"{source}: attn specs disagree on {name} ({sorted(values, key=str)}"
+                             f"): hyla's attention layers share one")
+        fields[_ATTN_SHARED[name]] = values.pop()
+    fields["rope_theta"] = float(fields["rope_theta"])
+    fields["attention_bias"] = bool(fields["attention_bias"])
+    return layers, fields
 
 
 def _ffn_dim(fla: dict, d: int) -> int:
@@ -216,19 +217,28 @@ def _ffn_dim(fla: dict, d: int) -> int:
     return 256 * math.ceil(int(d * ratio * 2 / 3) / 256)
 
 
-def _fla_names(cfg: HylaConfig, layout: _FlaLayout) -> dict[str, tuple[str, bool]]:
-    """hyla state-dict key -> (fla key, stored per GLA KV head)."""
-    names = {k: (v, False) for k, v in _TOP.items()
-             if not (cfg.tie_embeddings and k == "lm_head.weight")}
-    for i, block in enumerate(_blocks(cfg)):
-        fmt = _FORMATS[block]
-        for ours, theirs in _BLOCK.items():
-            names[f"blocks.{i}.{ours}"] = (f"model.layers.{i}.{theirs}", False)
-        for ours, theirs in fmt.names.items():
-            if not layout.fuse_norm:
-                theirs = _UNFUSED.get(theirs, theirs)
-            names[f"blocks.{i}.mixer.{ours}"] = (f"model.layers.{i}.attn.{theirs}",
-                                                 ours in fmt.grouped)
+def _fla_names(cfg: HylaConfig, layout: _FlaLayout) -> dict[str, tuple[str, bool, tuple]]:
+    """hyla state-dict key -> (fla key, stored per GLA KV head, hyla shape), for every
+    parameter hyla's model has under ``cfg``."""
+    kinds = _blocks(cfg)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in HylaLM(cfg).state_dict().items()}
+    names = {}
+    for ours, shape in shapes.items():
+        if ours in _TOP:
+            if not (cfg.tie_embeddings and ours == "lm_head.weight"):
+                names[ours] = (_TOP[ours], False, shape)
+            continue
+        _, i, rest = ours.split(".", 2)
+        where, _, suffix = rest.partition(".")
+        if where == "mixer":
+            fmt = _FORMATS[kinds[int(i)]]
+            theirs = fmt.renames.get(suffix, suffix)
+            theirs = theirs if layout.fuse_norm else _UNFUSED.get(theirs, theirs)
+            names[ours] = (f"model.layers.{i}.attn.{theirs}", suffix in fmt.grouped, shape)
+        else:       # mixer_norm -> attn_norm; mlp_norm and mlp.* keep their names
+            theirs = "attn_norm" if where == "mixer_norm" else where
+            names[ours] = (f"model.layers.{i}.{theirs}.{suffix}", False, shape)
     return names
 
 
@@ -246,12 +256,9 @@ def fla_state_to_hyla(weights: dict[str, torch.Tensor], cfg: HylaConfig, layout:
                       source: str = "model.safetensors") -> dict[str, torch.Tensor]:
     """Rename (and, for GLA KV heads, expand) an fla state dict to hyla's, checking every
     shape against ``cfg`` and refusing tensors hyla would not use."""
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in HylaLM(cfg).state_dict().items()}
     weights, out = dict(weights), {}
     groups = cfg.n_heads // layout.gla_kv_heads
-    for ours, (theirs, grouped) in _fla_names(cfg, layout).items():
-        want = shapes[ours]
+    for ours, (theirs, grouped, want) in _fla_names(cfg, layout).items():
         if theirs not in weights and ours.endswith("g_norm.weight") and not layout.norm_weights:
             out[ours] = torch.ones(want)           # elementwise_affine: false
             continue
@@ -260,19 +267,13 @@ def fla_state_to_hyla(weights: dict[str, torch.Tensor], cfg: HylaConfig, layout:
                              f"GLAForCausalLM state dict for this config")
         t = weights.pop(theirs)
         stored = (want[0] // groups, *want[1:]) if grouped else want
-        if tuple(t.shape) != tuple(stored):
+        if tuple(t.shape) != stored:
             raise ValueError(f"{source}: {theirs} has shape {tuple(t.shape)}, config.json "
-                             f"implies {tuple(stored)}")
+                             f"implies {stored}")
         if grouped and groups > 1:
             t = expand_kv_heads(t.reshape(t.shape[0], -1), layout.gla_kv_heads,
                                 cfg.n_heads).reshape(want)
         out[ours] = t
-    for i, block in enumerate(_blocks(cfg)):
-        for bias in _FORMATS[block].biases:
-            b = weights.pop(f"model.layers.{i}.attn.{bias}", None)
-            if b is not None and bool(b.abs().max() > 0):
-                raise ValueError(f"{source}: model.layers.{i}.attn.{bias} is non-zero "
-                                 f"(attn.qkv_bias): hyla's attention layers have no bias")
     if cfg.tie_embeddings:
         head = weights.pop("lm_head.weight", None)
         if head is not None and not torch.equal(head, out["embed.weight"]):
@@ -331,9 +332,13 @@ def hyla_to_fla_config(cfg: HylaConfig) -> dict:
     defaults = {f.name: f.default for f in dataclasses.fields(HylaConfig)
                 if f.default is not dataclasses.MISSING}
     for name, value in cfg.to_dict().items():
-        if name not in _EXPORTED and name in defaults and value != defaults[name]:
+        if name not in _EXPORTED | {"attention_head_dim"} and value != defaults.get(name, value):
             raise ValueError(f"{name}={value!r} has no flash-linear-attention GLA equivalent: "
                              f"expected {defaults[name]!r} to export with --format fla")
+    if cfg.attention_head_dim not in (None, cfg.d_model // cfg.n_heads):
+        raise ValueError(f"attention_head_dim={cfg.attention_head_dim} cannot be exported to "
+                         f"fla: its attention layers use hidden_size / num_heads = "
+                         f"{cfg.d_model // cfg.n_heads}")
     for name in ("gate_logit_normalizer", "gate_low_rank_dim"):
         if getattr(cfg, name) != FIXED_GATE:
             raise ValueError(f"{name}={getattr(cfg, name)} cannot be exported to fla: fla's "
@@ -349,7 +354,7 @@ def hyla_to_fla_config(cfg: HylaConfig) -> dict:
         "use_output_gate": True, "clamp_min": None, "use_gk": True, "use_gv": False,
         "elementwise_affine": True, "norm_eps": cfg.norm_eps,
         "attn": {"layers": attn, "num_heads": cfg.n_heads, "num_kv_heads": cfg.n_kv_heads,
-                 "qkv_bias": False, "window_size": None,
+                 "qkv_bias": cfg.attention_bias, "window_size": cfg.sliding_window,
                  "rope_theta": cfg.rope_theta} if attn else None,
         "max_position_embeddings": 2048,     # fla: only the initial size of its rotary cache
         "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.initializer_range,
@@ -376,7 +381,7 @@ def export_fla(model: HylaLM, tokenizer, out_dir: str | os.PathLike) -> pathlib.
     config = hyla_to_fla_config(cfg)
     layout = _FlaLayout(gla_kv_heads=cfg.n_heads, fuse_norm=True, norm_weights=True)
     sd = {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}
-    state = {theirs: sd[ours] for ours, (theirs, _) in _fla_names(cfg, layout).items()}
+    state = {theirs: sd[ours] for ours, (theirs, _, _) in _fla_names(cfg, layout).items()}
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
