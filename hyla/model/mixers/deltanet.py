@@ -144,7 +144,7 @@ class GatedDeltaMixer(Mixer):
                 o = delta_decode_step(q, k, v, g, beta, state)     # updates ``state`` in place
             ctx.store_fixed(buf["state"], state)
             ctx.store_fixed(buf["conv"], window.to(buf["conv"].dtype))
-        o = self.o_norm(o) * F.silu(self.g_proj(x).view(B, T, H, V))
+        o = self.o_norm(o.to(x.dtype)) * F.silu(self.g_proj(x).view(B, T, H, V))
         return self.o_proj(o.reshape(B, T, c.value_dim))
 
     def _split(self, qkv: torch.Tensor, B: int, T: int):

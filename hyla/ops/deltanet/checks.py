@@ -56,14 +56,17 @@ def state_dtype(*xs: torch.Tensor | None) -> torch.dtype:
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim, computed in at least float32.
+    """x / sqrt(sum(x^2) + eps) over the last dim, in float32 (float64 for float64 x).
+
+    Not rounded back to a 16-bit input dtype: the ops compute in float32 anyway, and
+    rounding the normalised keys would add an error that the delta rule carries along.
 
     Example:
         >>> [round(x, 4) for x in l2norm(torch.tensor([3.0, 4.0])).tolist()]
         [0.6, 0.8]
     """
-    xf = x.float() if x.dtype != torch.float64 else x
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+    xf = x if x.dtype == torch.float64 else x.float()
+    return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
 
 
 def pop_aliases(kwargs: dict, use_qk_l2norm: bool) -> bool:
