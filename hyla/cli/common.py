@@ -101,9 +101,11 @@ def generate_text(model, tok, prompt: str, args: argparse.Namespace) -> str:
         raise ValueError(f"temperature must be >= 0, got {args.temperature}")
     if args.top_k is not None and args.top_k <= 0:
         raise ValueError(f"top-k must be a positive int, got {args.top_k}")
+    # stop at the end-of-text token, as transformers' generate does
+    eos = getattr(tok, "eos_id", None)
     with torch.inference_mode():
         new = generate(model, tok.encode(prompt), args.max_tokens, temperature=args.temperature,
-                       top_k=args.top_k, seed=args.seed)
+                       top_k=args.top_k, seed=args.seed, stop_ids=() if eos is None else (eos,))
     return tok.decode(new)
 
 
