@@ -1,6 +1,7 @@
 """MQAR recall: train small GLA, hybrid and attention models and measure what they recall.
 
-For each mixer (``GG`` all GLA, ``GA`` one GLA + one attention layer, ``AA`` all attention)
+For each mixer (``GG`` all GLA, ``GA`` one GLA + one attention layer, ``AA`` all attention;
+``quick`` adds ``DD`` all gated delta rule and ``DA`` one gated-delta + one attention layer)
 and each learning rate of the sweep, a fresh model is trained with AdamW on freshly sampled
 MQAR batches (:mod:`hyla.eval.mqar`), then scored on held-out examples: accuracy is the
 fraction of query positions whose argmax is the right value (Zoology's metric). The best
@@ -35,7 +36,8 @@ from hyla.eval.mqar import IGNORE, check_mqar_args, mqar
 from hyla.eval.recall_model import build_model
 from hyla.model import MIXERS, HylaConfig
 
-DESCRIPTIONS = {"GG": "GLA only", "GA": "hybrid (GLA + attention)", "AA": "attention only"}
+DESCRIPTIONS = {"GG": "GLA only", "GA": "hybrid (GLA + attention)", "AA": "attention only",
+                "DD": "Gated DeltaNet only", "DA": "hybrid (Gated DeltaNet + attention)"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,8 +88,10 @@ class RecallPreset:
 
 
 def quick() -> RecallPreset:
-    """Minutes on a 2-core CPU: d_model 64, 4 to 64 pairs at seq_len 64 to 256."""
+    """Minutes on a 2-core CPU: d_model 64, 4 to 64 pairs at seq_len 64 to 256; GLA and gated
+    delta rule models, alone and with an attention layer, and all attention."""
     return RecallPreset(name="quick", vocab_size=320, d_model=64,
+                        mixers=("GG", "GA", "AA", "DD", "DA"),
                         train=((64, 4), (64, 8), (64, 16), (128, 32), (256, 64)),
                         test=((64, 4), (128, 8), (128, 16), (128, 32), (256, 64)),
                         lrs=(1e-3, 3e-3), train_steps=1200, batch_size=16, test_examples=128)

@@ -6,7 +6,7 @@ import json
 import pathlib
 from collections.abc import Sequence
 
-MARKERS = {"GG": "o", "GA": "s", "AA": "^"}
+MARKERS = {"GG": "o", "GA": "s", "AA": "^", "DD": "D", "DA": "v"}
 
 
 def _by_mixer(records: Sequence[dict]) -> dict[str, list[dict]]:

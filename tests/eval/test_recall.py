@@ -1,5 +1,6 @@
 """MQAR: generator invariants, constraint errors, and a seconds-long end-to-end recall run."""
 
+import dataclasses
 import json
 
 import pytest
@@ -111,3 +112,12 @@ def test_cli_end_to_end(tmp_path, monkeypatch, capsys):
     for name in ("accuracy_vs_pairs.png", "accuracy_vs_state.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "MQAR recall" in out and json.loads((tmp_path / "run.json").read_text())["seed"] == 1
+
+
+def test_quick_has_delta_rule_models_and_they_train():
+    assert recall_preset("quick").mixers == ("GG", "GA", "AA", "DD", "DA")
+    tiny = dataclasses.replace(TINY, mixers=("DD", "DA"), lrs=(1e-3,))
+    best = best_records(run_recall(tiny, seed=2))
+    assert {r["mixer"] for r in best} == {"DD", "DA"}
+    state = {(r["mixer"], r["seq_len"]): r["state_bytes"] for r in best}
+    assert state["DD", 32] == state["DD", 64] < state["DA", 32] < state["DA", 64]
