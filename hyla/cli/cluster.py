@@ -54,7 +54,11 @@ def add_cluster(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=positive, default=None)
     p.add_argument("--threads", type=positive, default=None, help="torch threads per worker "
                    "(default 1)")
-    p.add_argument("--api-key", default=os.environ.get("HYLA_API_KEY"))
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="the API key clients must send, read from PATH (default: "
+                        "$HYLA_API_KEY, or none); the workers get it through their "
+                        "environment, never their command lines")
+    p.add_argument("--api-key", default=None, help=argparse.SUPPRESS)
     p.add_argument("--log-dir", default=None, help="workers' logs (default: a temp folder)")
     p.set_defaults(func=cmd_cluster)
     return p
@@ -121,8 +125,12 @@ def _tokenizer_and_name(args):
 def cmd_role(args: argparse.Namespace, out: Console) -> int:
     import uvicorn
 
+    from hyla.cli.serve import resolve_api_key
+    from hyla.disagg.live.auth import worker_transfer_key
+
     if not 0 < args.port < 65536:
         raise ValueError(f"port must be in [1, 65535], got {args.port}")
+    key = resolve_api_key(args)
     _watch_parent()
     run = dict(host=args.host, port=args.port, log_level=args.log_level,
                timeout_graceful_shutdown=3)
@@ -141,12 +149,13 @@ def cmd_role(args: argparse.Namespace, out: Console) -> int:
                                                   link_gbps=args.link_gbps or 10.0,
                                                   adapt=not args.static_threshold),
                                transfer_timeout_s=args.transfer_timeout,
-                               api_key=args.api_key, force=args.force_path,
+                               api_key=key, force=args.force_path,
                                # a PD worker keeps max_num_seqs GLA snapshots (engine default)
                                prefix_capacity=args.max_num_seqs or 16)
         out.print(f"Router for [bold]{cfg.model_name}[/] on http://{args.host}:{args.port}/v1: "
                   f"{len(cfg.prefill_urls)} prefill, {len(cfg.decode_urls)} decode workers")
-        uvicorn.run(create_router_app(LiveRouter(cfg, tok)), **run)
+        uvicorn.run(create_router_app(LiveRouter(cfg, tok), max_body_bytes=args.max_body_bytes),
+                    **run)
         return 0
 
     import torch
@@ -157,13 +166,15 @@ def cmd_role(args: argparse.Namespace, out: Console) -> int:
     if args.role == "prefill":
         from hyla.disagg.live.worker_prefill import PrefillService, create_prefill_app
 
+        # It ships states only to the decode workers the router registers (none until then).
         svc = PrefillService(model, max_model_len=args.max_model_len,
                              chunk_tokens=args.max_num_batched_tokens,
-                             link_gbps=args.link_gbps)
+                             link_gbps=args.link_gbps,
+                             key=worker_transfer_key(key, args.host), allowed=set())
         out.print(f"Prefill worker on http://{args.host}:{args.port} (link "
                   f"{args.link_gbps or 'unlimited'} Gbps, fingerprint {svc.fingerprint})")
         try:
-            uvicorn.run(create_prefill_app(svc, args.api_key), **run)
+            uvicorn.run(create_prefill_app(svc, key), **run)
         finally:
             svc.close()
         return 0
@@ -175,21 +186,32 @@ def cmd_role(args: argparse.Namespace, out: Console) -> int:
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=not args.no_prefix_caching,
                           compile=args.compile)
+    dead: list = []
+    server: list = []
+
+    def on_dead(err):
+        # The engine failed past its restarts: exit non-zero so a supervisor can restart us.
+        dead.append(err)
+        if server:
+            server[0].should_exit = True
     app, engine, rx = build_decode_worker(
         model, tok, args.model_name or name, config, max_waiting=args.max_waiting,
-        api_key=args.api_key, transfer_bind=f"tcp://{args.host}:{args.transfer_port}",
-        advertise_host=args.advertise_host, stall_s=max(args.transfer_timeout, 1.0))
+        api_key=key, transfer_bind=f"tcp://{args.host}:{args.transfer_port}",
+        advertise_host=args.advertise_host, stall_s=max(args.transfer_timeout, 1.0),
+        transfer_key=worker_transfer_key(key, args.host), on_dead=on_dead)
     out.print(f"Decode worker on http://{args.host}:{args.port} (state transfers on "
-              f"{rx.address})")
+              f"{rx.address}, {'HMAC-authenticated' if rx.key else 'unauthenticated'})")
+    server.append(uvicorn.Server(uvicorn.Config(app, **run)))
     try:
-        uvicorn.run(app, **run)
+        server[0].run()
     finally:
         engine.shutdown()
         rx.close()
-    return 0
+    return 1 if dead else 0
 
 
 def cmd_cluster(args: argparse.Namespace, out: Console) -> int:
+    from hyla.cli.serve import resolve_api_key
     from hyla.disagg.live.cluster import launch, load_spec
 
     spec = load_spec(args.config, preset=args.preset, checkpoint=args.checkpoint,
@@ -197,7 +219,8 @@ def cmd_cluster(args: argparse.Namespace, out: Console) -> int:
                      decode_workers=args.decode_workers, link_gbps=args.link_gbps,
                      threshold=args.threshold, transfer_timeout=args.transfer_timeout,
                      max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                     threads=args.threads, api_key=args.api_key, log_dir=args.log_dir)
+                     threads=args.threads, api_key=resolve_api_key(args),
+                     log_dir=args.log_dir)
     if spec.preset is None and spec.checkpoint is None:
         from hyla.cli.common import train_quickstart
         from hyla.model.formats.checkpoint import CONFIG, latest_checkpoint

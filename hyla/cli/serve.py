@@ -8,14 +8,13 @@ per decode batch width: worth it on a GPU, minutes of compiling on a CPU).
 
 Example:
     $ hyla serve --preset debug --port 8000
-    $ hyla serve --checkpoint runs/quickstart --api-key secret --max-num-seqs 32
+    $ HYLA_API_KEY=secret hyla serve --checkpoint runs/quickstart --max-num-seqs 32
     $ hyla generate --preset debug --prompt "Hello" --max-tokens 32 --seed 0
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from rich.console import Console
@@ -59,9 +58,13 @@ def add_serve(sub) -> argparse.ArgumentParser:
     p.add_argument("--model-name", default=None,
                    help="the name clients pass as `model` (default: the checkpoint folder's "
                         "name, or hyla-<preset>)")
-    p.add_argument("--api-key", default=os.environ.get("HYLA_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: "
-                        "$HYLA_API_KEY, or no key)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="require 'Authorization: Bearer KEY' on every route but /health, "
+                        "KEY read from PATH (default: $HYLA_API_KEY, or no key). Never on "
+                        "the command line: ps shows it to every user")
+    p.add_argument("--api-key", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--max-body-bytes", type=positive, default=4 << 20,
+                   help="largest request body accepted (413 above; default 4 MiB)")
     p.add_argument("--max-num-seqs", type=positive, default=16,
                    help="sequences decoded together (state slots)")
     p.add_argument("--max-model-len", type=positive, default=2048,
@@ -116,6 +119,7 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
 
     if not 0 < args.port < 65536:
         raise ValueError(f"port must be in [1, 65535], got {args.port}")
+    key = resolve_api_key(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, tok, name = load_model(args, out)
@@ -130,16 +134,41 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
     # One tiny request before the first client's: first-call costs (allocator, kernels)
     # don't land on its time to first token.
     engine.generate([[0]], SamplingParams(max_tokens=2, temperature=0))
-    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
+    dead: list[BaseException] = []
+    server: list = []
+
+    def on_dead(err: BaseException) -> None:
+        # The engine failed past its restarts: exit non-zero so a supervisor restarts us.
+        dead.append(err)
+        if server:
+            server[0].should_exit = True
+    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting, on_dead=on_dead)
     name = args.model_name or name
-    app = create_app(async_engine, model_name=name, api_key=args.api_key)
+    app = create_app(async_engine, model_name=name, api_key=key,
+                     max_body_bytes=args.max_body_bytes)
     base = f"http://{args.host}:{args.port}"
     out.print(f"Serving [bold]{name}[/] on {base}/v1 (max {args.max_num_seqs} sequences, "
               f"context {args.max_model_len}, {'compiled' if args.compile else 'eager'} "
               f"decode on {next(model.parameters()).device}); metrics at {base}/metrics")
+    server.append(uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=3)))
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=3)
+        server[0].run()
     finally:
         async_engine.shutdown()
+    if dead:
+        out.print(f"[red]the engine failed for good: {dead[0]!r}[/]")
+        return 1
     return 0
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """The API key from ``--api-key-file`` or ``$HYLA_API_KEY``; a key given on the command
+    line is refused (every user of the machine sees it in ``ps``)."""
+    from hyla.disagg.live.auth import api_key
+
+    if getattr(args, "api_key", None):
+        raise ValueError("--api-key on the command line is visible to every user in ps: put "
+                         "the key in $HYLA_API_KEY or a file named by --api-key-file")
+    return api_key(args.api_key_file)

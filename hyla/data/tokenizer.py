@@ -131,8 +131,37 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 8192) -> BPETokenizer:
 
 
 def load_tokenizer(directory) -> ByteTokenizer | BPETokenizer:
-    """The tokenizer saved beside a checkpoint: ``tokenizer.json`` if present, else bytes."""
+    """The tokenizer saved beside a checkpoint: ``tokenizer.json`` if present; else the byte
+    tokenizer, but only when the ``config.json`` beside it (if any) says so, with a
+    vocabulary of 256 ids. A model with a larger vocabulary and no ``tokenizer.json`` is a
+    ValueError naming the missing file (falling back to bytes would serve garbage).
+
+    Example:
+        >>> import json, pathlib, tempfile
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> type(load_tokenizer(d)).__name__
+        'ByteTokenizer'
+        >>> _ = (d / "config.json").write_text(json.dumps({"vocab_size": 8192}))
+        >>> load_tokenizer(d)
+        Traceback (most recent call last):
+        ...
+        ValueError: .../tokenizer.json is missing: ...
+    """
+    import json
     import pathlib
 
     path = pathlib.Path(directory) / "tokenizer.json"
-    return BPETokenizer.load(path) if path.is_file() else ByteTokenizer()
+    if path.is_file():
+        return BPETokenizer.load(path)
+    config = path.with_name("config.json")
+    vocab = None
+    if config.is_file():
+        try:
+            vocab = json.loads(config.read_text(encoding="utf-8")).get("vocab_size")
+        except (ValueError, AttributeError):
+            vocab = None            # the model loader names a bad config itself
+    if vocab is not None and vocab != ByteTokenizer.vocab_size:
+        raise ValueError(f"{path} is missing: {config} declares a vocabulary of {vocab} "
+                         f"tokens, which needs its own tokenizer (the byte tokenizer serves "
+                         f"{ByteTokenizer.vocab_size}-token vocabularies only)")
+    return ByteTokenizer()

@@ -7,6 +7,7 @@ the serving layer's torch-free ``SamplingParams`` passes as it is.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def is_greedy(temperature: float) -> bool:
+    """Whether ``temperature`` picks the argmax (below ``GREEDY_BELOW``, 0 included)."""
     return temperature < GREEDY_BELOW
 
 
@@ -58,10 +60,19 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p
         >>> sample_token(torch.tensor([0.0, 5.0, 1.0]), temperature=0)
         1
     """
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if is_greedy(temperature):
         return int(logits.argmax())
-    row = filter_logits(logits.float(), top_k, top_p) / temperature
-    return int(torch.multinomial(torch.softmax(row, dim=-1), 1, generator=generator))
+    # float64: a huge (finite) temperature would overflow to inf as a float32 scalar and
+    # turn masked logits (-inf / inf) into NaN; in float64 every finite one is exact.
+    row = filter_logits(logits.double(), top_k, top_p) / temperature
+    probs = torch.softmax(row, dim=-1)
+    # multinomial raises on NaN/inf or an all-zero row; name the cause instead (NaN logits
+    # from the model, say): the caller fails this one request, not the batch.
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+        raise ValueError("cannot sample: the distribution is not finite (NaN or inf logits)")
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def sample(logits: torch.Tensor, params: list, generators: list[torch.Generator | None]
@@ -85,7 +96,7 @@ def sample(logits: torch.Tensor, params: list, generators: list[torch.Generator 
             tokens[b] = sample_token(logits[b], p.temperature, p.top_k, p.top_p, generators[b])
         if p.logprobs is not None:
             lp = torch.log_softmax(logits[b], dim=-1)
-            top = torch.topk(lp, p.logprobs) if p.logprobs else None
+            top = torch.topk(lp, min(p.logprobs, lp.numel())) if p.logprobs else None
             logps[b] = TokenLogprob(tokens[b], float(lp[tokens[b]]),
                                     list(zip(top.indices.tolist(), top.values.tolist(),
                                              strict=True)) if top is not None else [])

@@ -3,13 +3,16 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent
 events with ``"stream": true``), ``GET /v1/models``, ``GET /health`` (status plus what the
 engine holds: running and waiting requests, state slots and KV blocks in use) and
-``GET /metrics`` (Prometheus). With an API key set, ``/v1/*`` needs
-``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay open.
+``GET /metrics`` (Prometheus). With an API key set, every route but ``/health`` needs
+``Authorization: Bearer KEY`` (401 otherwise). Bodies over ``max_body_bytes`` are a 413;
+prompts are tokenised off the event loop (:mod:`hyla.serve.api_limits`).
 
 Every error is OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: bad input
 (malformed JSON and wrong types included: FastAPI's 422 becomes 400) is 400, a full queue
-429 with ``Retry-After``, a failed engine 503. A client that goes away (mid-stream or while
-waiting) has its request aborted, which frees its state slot and KV blocks.
+429 with ``Retry-After``, a request whose output could not be produced 503 (it alone
+fails), an engine whose step failed 503 (it restarts; a dead one makes ``/health`` 503).
+A client that goes away (mid-stream or while waiting) has its request aborted, which frees
+its state slot and KV blocks.
 
 Example:
     >>> from fastapi.testclient import TestClient
@@ -26,10 +29,10 @@ Example:
 from __future__ import annotations
 
 import asyncio
-import hmac
 import re
 import time
 import uuid
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,8 +41,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hyla.serve.api_format import Formatter, Result, render_chat
+from hyla.serve.api_limits import (
+    DEFAULT_MAX_BODY_BYTES,
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    PromptEncoder,
+)
 from hyla.serve.api_schemas import APIError, ChatCompletionRequest, CompletionRequest, error_body
-from hyla.serve.async_engine import AsyncEngine, QueueFull
+from hyla.serve.async_engine import AsyncEngine, EngineFailed, QueueFull, RequestFailed
 from hyla.serve.sequence import SamplingParams
 
 _TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|literal\[.*\]|[A-Z]\w*)$")
@@ -48,26 +57,6 @@ _PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "logprobs", "stop", "s
 
 class _ClientGone(Exception):
     pass
-
-
-class APIKeyMiddleware:
-    """ASGI middleware: ``/v1/*`` needs ``Authorization: Bearer <key>``. (Pure ASGI, not
-    BaseHTTPMiddleware, so streaming responses still see client disconnects.)"""
-
-    def __init__(self, app, key: str):
-        self.app, self.want = app, f"Bearer {key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            got = dict(scope["headers"]).get(b"authorization")
-            if got is None or not hmac.compare_digest(got, self.want):
-                msg = ("Missing API key: send 'Authorization: Bearer <key>'" if got is None
-                       else "Incorrect API key provided")
-                resp = JSONResponse(error_body(msg, code="invalid_api_key"), 401,
-                                    headers={"WWW-Authenticate": "Bearer"})
-                await resp(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -128,26 +117,68 @@ def sampling_params(req, n_prompt: int, max_tokens: int | None, logprobs: int | 
 
 
 
-def prompt_token_ids(req: CompletionRequest, tok) -> list[int]:
-    """The token ids of a completion request's prompt: text or ids, one prompt only."""
+async def prompt_token_ids(req: CompletionRequest, enc: PromptEncoder) -> list[int]:
+    """The token ids of a completion request's prompt: text or ids, one prompt only (text
+    is encoded off the event loop, bounded by the context length)."""
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) > 1:
             raise APIError(f"Batched prompts are not supported ({len(prompt)} prompts): "
                            "send one request per prompt", param="prompt")
         prompt = prompt[0]
-    return tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    return await enc.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
 
 
-def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None) -> FastAPI:
+async def chat_token_ids(req: ChatCompletionRequest, enc: PromptEncoder
+                         ) -> tuple[list[int], tuple[str, ...]]:
+    """A chat request's prompt ids and the stop strings its template implies; the template
+    and the tokenizer run off the event loop."""
+    messages = [{"role": m.role, "content": m.text} for m in req.messages]
+    for i, m in enumerate(messages):
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(f"messages.{i}.content holds text that cannot be encoded as "
+                           f"UTF-8 ({e.reason} at character {e.start})",
+                           param=f"messages.{i}.content") from None
+    try:
+        text, stops = await enc.run(render_chat, enc.tok, messages)
+    except Exception as e:  # noqa: BLE001 - templates raise their own errors on bad turns
+        raise APIError(f"messages could not be rendered with the chat template: {e}",
+                       param="messages") from None
+    return await enc.encode(text, "messages"), stops
+
+
+def engine_error(e: Exception) -> APIError:
+    """The HTTP error for an exception the engine raised for one request."""
+    if isinstance(e, QueueFull):
+        return APIError(f"The server is busy: {e}. Retry shortly.", status=429,
+                        type="rate_limit_error", code="rate_limit_exceeded",
+                        headers={"Retry-After": "1"})
+    if isinstance(e, ValueError):
+        return APIError(str(e), param=param_of(str(e)))
+    code = ("request_failed" if isinstance(e, RequestFailed) else
+            "engine_failed" if isinstance(e, EngineFailed) else None)
+    return APIError(str(e), status=503, type="server_error", code=code)
+
+
+def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               health_check: Callable[[], str | None] | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` as the model ``model_name``.
 
-    The caller owns ``engine`` (``engine.shutdown()`` after the server stops).
+    The caller owns ``engine`` (``engine.shutdown()`` after the server stops). With
+    ``api_key`` every route but ``/health`` needs it; bodies over ``max_body_bytes`` are
+    a 413. ``health_check``: another check ``/health`` makes (it returns why the server cannot
+    serve, or None).
     """
     app = FastAPI(title="hyla", description="OpenAI-compatible hybrid GLA/attention LM server")
     tok = engine.engine.tokenizer
     max_len = engine.engine.config.max_model_len
+    enc = PromptEncoder(tok, max_len)
+    app.state.encoder = enc
     created = int(time.time())
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, key=api_key)
 
@@ -194,14 +225,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
             first = await until_disconnect(request, anext(gen))
         except _ClientGone:
             return Response(status_code=499)
-        except ValueError as e:
-            raise APIError(str(e), param=param_of(str(e))) from None
-        except QueueFull as e:
-            raise APIError(f"The server is busy: {e}. Retry shortly.", status=429,
-                           type="rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": "1"}) from None
-        except RuntimeError as e:
-            raise APIError(str(e), status=503, type="server_error") from None
+        except (ValueError, RuntimeError) as e:
+            raise engine_error(e) from None
         if req.stream:
             return StreamingResponse(_events(fmt, first, gen), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -216,15 +241,15 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
             result = await until_disconnect(request, collect())
         except _ClientGone:
             return Response(status_code=499)
-        except RuntimeError as e:
-            raise APIError(str(e), status=503, type="server_error") from None
+        except (ValueError, RuntimeError) as e:
+            raise engine_error(e) from None
         return fmt.response(result)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
         req.check_unsupported()
-        ids = prompt_token_ids(req, tok)
+        ids = await prompt_token_ids(req, enc)
         params = sampling_params(req, len(ids), req.max_tokens, req.logprobs, max_len)
         fmt = Formatter(tok, f"cmpl-{uuid.uuid4().hex}", model_name, chat=False,
                         logprobs=req.logprobs, include_usage=wants_usage(req))
@@ -234,9 +259,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_model(req.model)
         req.check_unsupported()
-        messages = [{"role": m.role, "content": m.text} for m in req.messages]
-        text, stops = render_chat(tok, messages)
-        ids = tok.encode(text)
+        ids, stops = await chat_token_ids(req, enc)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
@@ -257,9 +280,12 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         s = engine.engine.scheduler
         body = {"status": "ok", "model": model_name, "running": s.num_running,
                 "waiting": engine.num_waiting, "state_slots_used": s.pool.num_used,
-                "kv_blocks_used": s.blocks.num_used if s.blocks is not None else 0}
-        if engine.error is not None:
-            return JSONResponse(body | {"status": "error", "error": repr(engine.error)}, 503)
+                "kv_blocks_used": s.blocks.num_used if s.blocks is not None else 0,
+                "engine_restarts": engine.restarts, "last_engine_failure": engine.last_failure}
+        problem = (None if engine.alive else f"the engine is dead: {engine.error!r}") or \
+            (health_check() if health_check is not None else None)
+        if problem is not None:
+            return JSONResponse(body | {"status": "error", "error": problem}, 503)
         return body
 
     @app.get("/metrics")

@@ -12,7 +12,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from hyla.serve.engine import Engine, StepOutput
 from hyla.serve.metrics import EngineMetrics
@@ -21,6 +21,16 @@ from hyla.serve.sequence import SamplingParams
 
 class QueueFull(RuntimeError):
     """Too many requests waiting: the client should retry later (HTTP 429)."""
+
+
+class RequestFailed(RuntimeError):
+    """One request's output could not be produced; the engine and the other requests go on
+    (HTTP 503 before its first token, an error event after)."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine's batched step failed: every request it held is answered with this, and
+    the engine was restarted (or, past ``max_restarts``, is dead: ``AsyncEngine.error``)."""
 
 
 class AsyncEngine:
@@ -38,9 +48,19 @@ class AsyncEngine:
         3
     """
 
-    def __init__(self, engine: Engine, max_waiting: int = 256):
+    def __init__(self, engine: Engine, max_waiting: int = 256, *, max_restarts: int = 3,
+                 restart_window_s: float = 60.0, on_dead: Callable[[BaseException], None]
+                 | None = None):
         self.engine = engine
         self.max_waiting = max_waiting
+        # A failed step (the batched forward pass) fails the requests it held and restarts
+        # the engine; more than max_restarts failures within restart_window_s and it is
+        # dead: /health answers 503 and on_dead (the server's exit) is called.
+        self.max_restarts, self.restart_window_s, self.on_dead = (max_restarts,
+                                                                   restart_window_s, on_dead)
+        self.restarts = 0
+        self.last_failure: str | None = None
+        self._failures: list[float] = []
         self.metrics = EngineMetrics()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -59,6 +79,19 @@ class AsyncEngine:
         """Requests not yet running: in the inbox or in the scheduler's queue."""
         return self._inbox_adds + self.engine.scheduler.num_waiting
 
+    @property
+    def num_queued(self) -> int:
+        """Requests that will have to wait for a state slot: those not yet running beyond
+        the free slots. A burst that the free slots absorb queues nothing (the 429 limit
+        counts these, not requests merely still in the inbox)."""
+        s = self.engine.scheduler
+        free = max(0, self.engine.config.max_num_seqs - s.num_running)
+        return max(0, self.num_waiting - free)
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str | None = None, prefilled: tuple | None = None
                        ) -> AsyncIterator[StepOutput]:
@@ -67,12 +100,12 @@ class AsyncEngine:
 
         ``prefilled=(first_token, SequenceState)``: the prompt was prefilled elsewhere;
         decoding continues from that state (the first token is not streamed again)."""
-        if self.error is not None:
-            raise RuntimeError(f"the engine thread failed: {self.error!r}")
+        if not self.alive:
+            raise EngineFailed(f"the engine is dead: {self.error!r}")
         self.engine.check_request(prompt_ids, params)
         rid = request_id or f"req-{next(self._ids)}"
         with self._lock:
-            waiting = self.num_waiting
+            waiting = self.num_queued
             if waiting >= self.max_waiting:
                 raise QueueFull(f"{waiting} requests are waiting (limit {self.max_waiting})")
             self._inbox_adds += 1
@@ -137,8 +170,8 @@ class AsyncEngine:
                 self._forget(msg[1])
 
     def _loop(self) -> None:
-        try:
-            while not self._stop:
+        while not self._stop:
+            try:
                 self._drain()
                 if not self.engine.has_unfinished():
                     self._wake.wait(timeout=0.5)
@@ -149,13 +182,49 @@ class AsyncEngine:
                 self.metrics.observe(outputs, self._arrivals, now)
                 for o in outputs:
                     self._deliver(o.request_id, o if o.error is None else
-                                  RuntimeError(f"request {o.request_id} failed: {o.error}"))
+                                  RequestFailed(f"request {o.request_id} failed: {o.error}"))
                     if o.finished:
                         self._forget(o.request_id)
-        except BaseException as e:  # noqa: BLE001 - surfaced to every waiting client
-            self.error = e
-            for rid in list(self._streams):
-                self._deliver(rid, RuntimeError(f"engine failed: {e!r}"))
+            except Exception as e:  # noqa: BLE001 - the step failed: restart or die
+                if not self._restart(e):
+                    return
+            except BaseException as e:  # noqa: BLE001 - surfaced to every waiting client
+                self._die(e)
+                return
+
+    def _restart(self, err: Exception) -> bool:
+        """After a failed step: fail every request the engine held and build a fresh engine
+        (same model, tokenizer and config: new state buffers, scheduler and caches). False
+        (and dead) past ``max_restarts`` failures in ``restart_window_s``, or if the new
+        engine cannot be built."""
+        now = time.monotonic()
+        self._failures = [t for t in self._failures if now - t < self.restart_window_s] + [now]
+        self.last_failure = f"{type(err).__name__}: {err}"
+        if len(self._failures) > self.max_restarts:
+            self._die(err)
+            return False
+        old = self.engine
+        try:
+            self.engine = type(old)(old.model, old.tokenizer, old.config)
+        except Exception as e:  # noqa: BLE001
+            self._die(e)
+            return False
+        self.restarts += 1
+        for rid in list(self._streams):
+            self._deliver(rid, EngineFailed(f"the engine step failed ({self.last_failure}); "
+                                            "the engine was restarted: retry the request"))
+            self._forget(rid)
+        return True
+
+    def _die(self, err: BaseException) -> None:
+        self.error = err
+        if self.on_dead is not None:
+            try:
+                self.on_dead(err)
+            except Exception:  # noqa: BLE001, S110 - nothing more to tell anyone
+                pass
+        for rid in list(self._streams):
+            self._deliver(rid, EngineFailed(f"engine failed: {err!r}"))
 
     def _forget(self, rid: str) -> None:
         self._streams.pop(rid, None)

@@ -217,11 +217,9 @@ class Engine:
             return []
         self.stats["steps"] += 1
         logits, seqs = self._execute(out)
-        params = [s.params for s in seqs]
-        gens = [self._generators.get(s.request_id) for s in seqs]
-        tokens, logps = self.config.sampler(logits, params, gens) if seqs else ([], [])
+        tokens, logps, failed = self._sample(logits, seqs)
         sampled = {s.request_id: t for s, t in zip(seqs, tokens, strict=True)}
-        states = self._take_states(seqs)
+        states = self._take_states(seqs, failed)
         finished = set(id(s) for s in self.scheduler.update(out, sampled))
         self.runner.copy_snapshots(out.snapshot_saves, save=True)
         now = time.perf_counter()
@@ -229,16 +227,45 @@ class Engine:
         for seq, token, lp in zip(seqs, tokens, logps, strict=True):
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if seq.request_id in states:
-                results.append(self._handover(seq, token, lp, states[seq.request_id]))
+            if seq.request_id in failed:
+                results.append(self._fail(seq, None, failed[seq.request_id]))
                 continue
             try:
-                results.append(self._emit(seq, token, lp, id(seq) in finished))
-            except Exception as e:  # noqa: BLE001 - one request's text failed, not the batch
+                if seq.request_id in states:
+                    results.append(self._handover(seq, token, lp, states[seq.request_id]))
+                else:
+                    results.append(self._emit(seq, token, lp, id(seq) in finished))
+            except Exception as e:  # noqa: BLE001 - one request's output failed, not the batch
                 results.append(self._fail(seq, token, e))
         self.stats["generation_tokens"] += len(seqs)
         self.stats["step_time_s"] += time.perf_counter() - t0
         return results
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]
+                ) -> tuple[list[int], list[TokenLogprob | None], dict[str, Exception]]:
+        """Tokens for ``seqs`` (one row of ``logits`` each). A row the sampler fails on
+        (its error in the returned dict, by request id) gets a placeholder token, the
+        argmax, so the scheduler can advance the batch; the caller fails that request
+        alone. The batch is sampled at once, and row by row only after a failure."""
+        if not seqs:
+            return [], [], {}
+        params = [s.params for s in seqs]
+        gens = [self._generators.get(s.request_id) for s in seqs]
+        try:
+            tokens, logps = self.config.sampler(logits, params, gens)
+            return list(tokens), list(logps), {}
+        except Exception:  # noqa: BLE001 - find the rows at fault below
+            pass
+        tokens, logps, failed = [], [], {}
+        for b, seq in enumerate(seqs):
+            try:
+                (t,), (lp,) = self.config.sampler(logits[b:b + 1], [params[b]], [gens[b]])
+            except Exception as e:  # noqa: BLE001 - this request alone fails
+                t, lp = int(logits[b].argmax()), None
+                failed[seq.request_id] = e
+            tokens.append(int(t))
+            logps.append(lp)
+        return tokens, logps, failed
 
     def _execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
         r = self.runner
@@ -288,23 +315,33 @@ class Engine:
                           [lp] if lp is not None else [], seq.num_prompt_tokens,
                           len(seq.output_ids))
 
-    def _fail(self, seq: Sequence, token: int, err: Exception) -> StepOutput:
-        """End a request whose output could not be produced (e.g. its tokenizer could not
-        decode a sampled id): free what it holds and report the error for it alone."""
+    def _fail(self, seq: Sequence, token: int | None, err: Exception) -> StepOutput:
+        """End a request whose output could not be produced (its tokens could not be
+        sampled, its tokenizer could not decode a sampled id, its state could not be
+        taken): free what it holds and report the error for it alone."""
         self.scheduler.abort(seq.request_id)
         self._forget(seq.request_id)
-        return StepOutput(seq.request_id, [token], "", True, "error", [],
+        return StepOutput(seq.request_id, [] if token is None else [token], "", True,
+                          "error", [],
                           seq.num_prompt_tokens, len(seq.output_ids),
                           error=f"{type(err).__name__}: {err}")
 
     # -- prefill-only requests (disaggregated prefill) ----------------------------------
-    def _take_states(self, seqs: list[Sequence]) -> dict:
+    def _take_states(self, seqs: list[Sequence], failed: dict[str, Exception]) -> dict:
         """The states of this step's prefill-only requests (all sampled their first token:
-        their prompts are done), taken before the scheduler frees their slots and blocks."""
+        their prompts are done), taken before the scheduler frees their slots and blocks.
+        One that cannot be taken goes into ``failed``."""
         if not self._prefill_only:
             return {}
-        return {s.request_id: self.runner.extract(s.slot, s.num_prompt_tokens, s.block_table)
-                for s in seqs if s.request_id in self._prefill_only}
+        states = {}
+        for s in seqs:
+            if s.request_id in self._prefill_only and s.request_id not in failed:
+                try:
+                    states[s.request_id] = self.runner.extract(s.slot, s.num_prompt_tokens,
+                                                               s.block_table)
+                except Exception as e:  # noqa: BLE001 - this request alone fails
+                    failed[s.request_id] = e
+        return states
 
     def _handover(self, seq: Sequence, token: int, lp: TokenLogprob | None,
                   state) -> StepOutput:

@@ -6,7 +6,15 @@ Pure Python (no torch): the scheduler and the disaggregation simulator share it.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
+
+# Temperatures below this are greedy (the sampler's threshold, kept here because this module
+# imports no torch): dividing logits by a near-zero temperature would overflow to inf.
+GREEDY_BELOW = 1e-5
+MAX_STOP = 16                 # stop strings a request may give (OpenAI allows 4)
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(kw_only=True)
@@ -35,24 +43,48 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        # Every field is checked for type, finiteness and range here, so that nothing a
+        # client sends can reach the sampler as NaN, inf or an out-of-range value: a bad
+        # value is a ValueError naming the field (HTTP 400), never an engine failure.
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got "
+                             f"{self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:   # NaN fails the range too
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not _is_int(self.seed)
+                                      or not -(2 ** 63) <= self.seed < 2 ** 64):
+            raise ValueError(f"seed must be an int in [-2**63, 2**64), got {self.seed!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs!r}")
         self.stop = tuple(self.stop)
         self.stop_token_ids = tuple(self.stop_token_ids)
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        if len(self.stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop: at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} "
+                             "characters each")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(
+                not _is_int(t) or not 0 <= t < 2 ** 63 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} ints >= 0")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures below ``GREEDY_BELOW`` (the sampler's threshold) pick the argmax."""
+        return self.temperature < GREEDY_BELOW
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
 
 
 class SequenceStatus(enum.Enum):

@@ -13,10 +13,11 @@ import dataclasses
 import os
 import pathlib
 import shutil
+import sys
 
 import torch
 
-from hyla.model.formats.checkpoint import latest_checkpoint, save_checkpoint
+from hyla.model.formats.checkpoint import save_checkpoint
 from hyla.train.config import TrainConfig
 
 STATE = "train_state.pt"
@@ -77,17 +78,31 @@ def load_train_state(run_dir: pathlib.Path, cfg=None, *, config_type: type = Tra
     from safetensors.torch import load_file
 
     run_dir = pathlib.Path(run_dir)
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt == run_dir or not (ckpt / STATE).is_file():
+    if is_train_checkpoint(run_dir):            # a ckpt-<step> directory itself: that one
+        candidates = [run_dir]
+    else:
+        candidates = sorted((p for p in run_dir.glob("ckpt-*")
+                             if p.is_dir() and p.name[5:].isdigit()), reverse=True)
+    skipped: list[str] = []
+    for ckpt in candidates:
+        if not (ckpt / STATE).is_file():
+            skipped.append(f"{ckpt.name} (no {STATE})")
+            continue
+        try:
+            state = torch.load(ckpt / STATE, weights_only=True)
+            state["model"] = load_file(str(ckpt / "model.safetensors"))
+            saved = config_type(**state["cfg"])
+            break
+        except Exception as e:  # noqa: BLE001 - truncated or corrupt: try the one before
+            skipped.append(f"{ckpt.name} ({type(e).__name__}: {str(e)[:120]})")
+    else:
+        why = f" (unusable: {'; '.join(skipped)})" if skipped else ""
         raise ValueError(f"{run_dir} has no complete ckpt-<step> directory to resume from: "
-                         f"expected the --out directory of an earlier {command}")
-    try:
-        state = torch.load(ckpt / STATE, weights_only=True)
-        state["model"] = load_file(str(ckpt / "model.safetensors"))
-        saved = config_type(**state["cfg"])
-    except Exception as e:
-        raise ValueError(f"{ckpt} is corrupt or not a {command} checkpoint ({e}): resume from "
-                         f"an earlier checkpoint") from e
+                         f"expected the --out directory of an earlier {command}, or one of "
+                         f"its ckpt-<step> directories{why}")
+    if skipped:     # say which one, and why the newer ones were passed over
+        print(f"resuming from {ckpt}: skipped {'; '.join(skipped)}", file=sys.stderr)
+    state["resumed_from"] = str(ckpt)
     if cfg is not None:
         default = config_type()
         diff = [f for f in RESUME_FIXED if hasattr(cfg, f) and getattr(cfg, f) != getattr(saved, f)
@@ -99,6 +114,23 @@ def load_train_state(run_dir: pathlib.Path, cfg=None, *, config_type: type = Tra
             saved = dataclasses.replace(saved, steps=cfg.steps)  # train further or stop sooner
     state["cfg"] = saved
     return state
+
+
+def is_train_checkpoint(path: pathlib.Path) -> bool:
+    """Whether ``path`` is one ``ckpt-<step>`` directory of a run (not the run itself)."""
+    path = pathlib.Path(path)
+    return path.name.startswith("ckpt-") and path.name[5:].isdigit() and (path / STATE).is_file()
+
+
+def run_dir_of(path) -> pathlib.Path:
+    """Where a resumed run writes: a ``ckpt-<step>`` directory's run, else ``path`` itself.
+
+    Example:
+        >>> run_dir_of("runs/a")
+        PosixPath('runs/a')
+    """
+    path = pathlib.Path(path)
+    return path.parent if is_train_checkpoint(path) else path
 
 
 def restore_weights(model: torch.nn.Module, state: dict, what: str) -> None:

@@ -29,7 +29,12 @@ from torch import nn
 
 from hyla.data.packing import corpus_blocks
 from hyla.model.formats.checkpoint import save_checkpoint
-from hyla.train.checkpointing import load_train_state, restore_optimizers, restore_weights
+from hyla.train.checkpointing import (
+    load_train_state,
+    restore_optimizers,
+    restore_weights,
+    run_dir_of,
+)
 from hyla.train.config import wsd_lr_factor
 from hyla.train.distill_config import DistillConfig
 from hyla.train.distill_init import build_student, transfer_layers
@@ -86,7 +91,7 @@ class Distiller:
         if not cfg.teacher or not cfg.layers:
             raise ValueError("--teacher DIR and --layers PATTERN are required")
         self.cfg = cfg
-        self.out = pathlib.Path(resume or cfg.out)
+        self.out = run_dir_of(resume) if resume else pathlib.Path(cfg.out)
         torch.manual_seed(cfg.seed)
         self.teacher, self.tokenizer = load_teacher(cfg.teacher)
         self.model = build_student(self.teacher, cfg.layers, cfg.student_kv_heads)

@@ -20,7 +20,12 @@ from hyla.data.packing import corpus_blocks
 from hyla.data.tokenizer import load_tokenizer, train_bpe
 from hyla.model import HylaLM, preset
 from hyla.train import distributed
-from hyla.train.checkpointing import load_train_state, restore_optimizers, restore_weights
+from hyla.train.checkpointing import (
+    load_train_state,
+    restore_optimizers,
+    restore_weights,
+    run_dir_of,
+)
 from hyla.train.config import TrainConfig, wsd_lr_factor
 from hyla.train.loop import Loop, Stage
 from hyla.train.objectives import LanguageModelling, validation_loss
@@ -42,10 +47,11 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainConfig, resume: str | None = None):
-        self.out = pathlib.Path(resume or cfg.out)
+        # --resume takes a run directory (its newest intact checkpoint) or one ckpt-<step>
+        self.out = run_dir_of(resume) if resume else pathlib.Path(cfg.out)
         # World size 1 (no torchrun, no process group): every distributed hook is skipped.
         self.rank, self.world = distributed.setup()
-        state = load_train_state(self.out, cfg) if resume else None
+        state = load_train_state(pathlib.Path(resume), cfg) if resume else None
         if state is not None:
             distributed.check_resume_world(state, self.world, self.out)
             cfg = state["cfg"]

@@ -70,7 +70,9 @@ def _start(ns, log, *args):
     return subprocess.Popen(
         ["ip", "netns", "exec", ns, sys.executable, "-m", "hyla", "serve", "--preset", "debug",
          "--threads", "1", "--log-level", "warning", "--max-model-len", "1024", *args],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        stdout=log, stderr=subprocess.STDOUT,
+        # across machines the transfer channel needs a shared secret (HMAC on every frame)
+        env=dict(os.environ, PYTHONUNBUFFERED="1", HYLA_CLUSTER_SECRET="netns-test-secret"),
         start_new_session=True)
 
 

@@ -25,10 +25,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(tmp: pathlib.Path, *extra: str):
+def _start(tmp: pathlib.Path, *extra: str, env_extra: dict | None = None):
     port = _free_port()
     log = open(tmp / "server.log", "w+b")  # noqa: SIM115 - closed at teardown
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
     proc = subprocess.Popen(
         [sys.executable, "-m", "hyla", "serve", "--preset", "debug", "--port", str(port),
          "--threads", "1", "--log-level", "warning", *extra],
@@ -74,8 +74,8 @@ def server(tmp_path_factory):
 def limited(tmp_path_factory):
     """One running sequence, one waiting, an API key."""
     base, proc, log = _start(tmp_path_factory.mktemp("limited"), "--max-num-seqs", "1",
-                             "--max-waiting", "1", "--api-key", "sekrit",
-                             "--max-model-len", "8192")
+                             "--max-waiting", "1", "--max-model-len", "8192",
+                             env_extra={"HYLA_API_KEY": "sekrit"})
     yield base
     _stop(proc, log)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import secrets
 import signal
 import socket
 import subprocess
@@ -112,6 +113,9 @@ class Cluster:
         self.log_dir = pathlib.Path(spec.log_dir or tempfile.mkdtemp(prefix="hyla-cluster-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: list[Proc] = []
+        # The transfer channel's HMAC secret: the operator's, else a fresh one per cluster.
+        from hyla.disagg.live.auth import cluster_secret
+        self.secret = cluster_secret() or secrets.token_hex(32)
 
     @property
     def url(self) -> str:
@@ -130,10 +134,14 @@ class Cluster:
                "--host", s.host, "--port", str(port), "--threads", str(s.threads),
                "--max-num-seqs", str(s.max_num_seqs), "--max-model-len", str(s.max_model_len),
                "--log-level", s.log_level, *extra]
-        if s.api_key:
-            cmd += ["--api-key", s.api_key]
+        # Secrets travel in the environment (readable only by this user), never in argv.
         env = dict(os.environ, PYTHONUNBUFFERED="1", HYLA_CLUSTER_PARENT=str(os.getpid()),
-                   **{k: str(v) for k, v in s.env.items()})
+                   HYLA_CLUSTER_SECRET=self.secret, **{k: str(v) for k, v in s.env.items()})
+        env.pop("HYLA_CLUSTER_SECRET_FILE", None)
+        if s.api_key:
+            env["HYLA_API_KEY"] = s.api_key
+        else:
+            env.pop("HYLA_API_KEY", None)
         with open(log, "wb") as f:
             popen = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         p = Proc(role, f"http://{s.host}:{port}", popen, log)
@@ -173,8 +181,10 @@ class Cluster:
                 if p.popen.poll() is not None:
                     raise ValueError(f"{p.role} worker exited with {p.popen.returncode} while "
                                      f"starting:\n{tail(p.log)}")
+                headers = {"authorization": f"Bearer {self.spec.api_key}"} \
+                    if self.spec.api_key else {}
                 try:
-                    if httpx.get(p.url + path, timeout=1.0).status_code == 200:
+                    if httpx.get(p.url + path, timeout=1.0, headers=headers).status_code == 200:
                         pending.remove(p)
                 except httpx.HTTPError:
                     pass

@@ -162,12 +162,19 @@ class LiveRouter:
         async def one(w: Worker):
             try:
                 r = await self.http.get(f"{w.url}/internal/info", timeout=3.0)
-                r.raise_for_status()
-                w.info, w.healthy, w.error = r.json(), True, None
+                info = r.json() if r.headers.get("content-type", "").startswith(
+                    "application/json") else {}
+                # Semantic health: a worker counts only if it says it can serve (a dead
+                # engine or state receiver answers 503 with "status": "error").
+                if r.status_code != 200 or info.get("status") != "ok":
+                    raise ValueError(f"HTTP {r.status_code}, status {info.get('status')!r}"
+                                     f": {info.get('error', '')}"[:300])
+                w.info, w.healthy, w.error = info, True, None
                 w.last_ok = time.monotonic()
             except (httpx.HTTPError, ValueError) as e:
                 w.healthy, w.error = False, f"{type(e).__name__}: {e}"
         await asyncio.gather(*(one(w) for w in self.prefill + self.decode))
+        await self._register_decoders()
         up = [w for w in self.prefill if w.healthy]
         loc = [w for w in self.decode if w.healthy]
         remote_q = min((w.info.get("queue_s", 0.0) for w in up), default=0.0)
@@ -176,6 +183,21 @@ class LiveRouter:
                             remote_queue_s=remote_q, local_queue_s=local_q,
                             remote_up=bool(up))
         self._pd_split(loc)
+
+    async def _register_decoders(self) -> None:
+        """Tell every prefill worker the decode workers it may ship states to (their
+        transfer addresses): a prefill worker sends nowhere else."""
+        dests = sorted({w.info["transfer_address"] for w in self.decode
+                        if w.healthy and w.info.get("transfer_address")})
+
+        async def push(w: Worker):
+            try:
+                r = await self.http.post(f"{w.url}/internal/registry", json={"decode": dests},
+                                         timeout=3.0)
+                r.raise_for_status()
+            except httpx.HTTPError as e:
+                w.healthy, w.error = False, f"registry: {type(e).__name__}: {e}"
+        await asyncio.gather(*(push(w) for w in self.prefill if w.healthy))
 
     def _pd_split(self, loc: list[Worker]) -> None:
         """Long timescale: busy fractions of the local pool's prefill and decode work."""
@@ -333,8 +355,14 @@ class LiveRouter:
                     continue
                 d = json.loads(line)
                 if "error" in d:
-                    if d.get("kind") == "invalid":
+                    kind = d.get("kind")
+                    if kind == "invalid":
                         raise APIError(d["error"], param=param_of(d["error"]))
+                    if kind == "request":       # this request alone failed: not the worker
+                        raise APIError(d["error"], status=503, type="server_error",
+                                       code="request_failed")
+                    if kind == "engine":        # its engine failed: route around it
+                        w.healthy, w.error = False, f"engine failed: {d['error']}"[:300]
                     raise WorkerFailed(f"decode worker {w.url}: {d['error']}", sent)
                 sent += 1
                 yield d

@@ -7,6 +7,7 @@ routing itself is :class:`hyla.disagg.live.router.LiveRouter`'s.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -17,13 +18,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hyla.disagg.live.router import LiveRouter, WorkerFailed
 from hyla.serve.api import (
-    APIKeyMiddleware,
+    chat_token_ids,
     prompt_token_ids,
     sampling_params,
     validation_error,
     wants_usage,
 )
-from hyla.serve.api_format import Formatter, Result, render_chat
+from hyla.serve.api_format import Formatter, Result
+from hyla.serve.api_limits import (
+    DEFAULT_MAX_BODY_BYTES,
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    PromptEncoder,
+)
 from hyla.serve.api_schemas import APIError, ChatCompletionRequest, CompletionRequest, error_body
 
 
@@ -31,13 +38,37 @@ def _error_event(msg: str) -> str:
     return f"data: {json.dumps(error_body(msg, 'server_error'))}\n\n"
 
 
-def create_router_app(router: LiveRouter) -> FastAPI:
+class _ClientGone(Exception):
+    pass
+
+
+async def until_disconnect(request: Request, awaitable):
+    """Await ``awaitable``, cancelling it if the client disconnects meanwhile (which closes
+    the decode worker's stream, so the worker aborts the request and frees its slot)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise _ClientGone
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+
+
+def create_router_app(router: LiveRouter, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+                      ) -> FastAPI:
     """The router's FastAPI app: the OpenAI API of :mod:`hyla.serve.api`, plus
-    ``GET /cluster``."""
+    ``GET /cluster``. With an API key, every route but ``/health`` needs it."""
     cfg, tok = router.cfg, router.tok
     app = FastAPI(title="hyla router", description="Prefill-as-a-Service router",
                   on_startup=[router.start], on_shutdown=[router.close])
     created = int(time.time())
+    enc = PromptEncoder(tok, cfg.max_model_len)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if cfg.api_key:
         app.add_middleware(APIKeyMiddleware, key=cfg.api_key)
 
@@ -58,29 +89,42 @@ def create_router_app(router: LiveRouter) -> FastAPI:
             raise APIError(f"The model {name!r} does not exist: this server serves "
                            f"{cfg.model_name!r}", param="model", code="model_not_found")
 
-    async def run(req, ids, params, fmt: Formatter):
+    async def run(request: Request, req, ids, params, fmt: Formatter):
         if req.stream:
             gen = router.generate(ids, params, fmt.id)
             try:
-                first = await anext(gen)
+                first = await until_disconnect(request, anext(gen))
+            except _ClientGone:
+                await gen.aclose()
+                return Response(status_code=499)
             except WorkerFailed as e:
                 raise APIError(str(e), status=503, type="server_error") from None
             return StreamingResponse(_events(fmt, first, gen),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        errors = []
-        for _ in range(3):            # a decode worker lost mid-request: run it again
-            r = Result()
-            try:
-                async for out in router.generate(ids, params, fmt.id):
-                    r.add(out)
-                return fmt.response(r)
-            except WorkerFailed as e:
-                errors.append(str(e))
-                router.counts["decode_retries"] += 1
-        router.counts["failed"] += 1
-        raise APIError("The request failed on every path: " + "; ".join(errors), status=503,
-                       type="server_error")
+
+        async def collect():
+            errors = []
+            for _ in range(3):        # a decode worker lost mid-request: run it again
+                r = Result()
+                gen = router.generate(ids, params, fmt.id)
+                try:
+                    async for out in gen:
+                        r.add(out)
+                    return fmt.response(r)
+                except WorkerFailed as e:
+                    errors.append(str(e))
+                    router.counts["decode_retries"] += 1
+                finally:
+                    await gen.aclose()      # also on cancel: closes the worker's stream
+            router.counts["failed"] += 1
+            raise APIError("The request failed on every path: " + "; ".join(errors),
+                           status=503, type="server_error")
+        try:
+            return await until_disconnect(request, collect())
+        except _ClientGone:
+            router.counts["abandoned"] = router.counts.get("abandoned", 0) + 1
+            return Response(status_code=499)
 
     async def _events(fmt, first, gen):
         try:
@@ -97,22 +141,20 @@ def create_router_app(router: LiveRouter) -> FastAPI:
             await gen.aclose()
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
         req.check_unsupported()
-        ids = prompt_token_ids(req, tok)
+        ids = await prompt_token_ids(req, enc)
         params = sampling_params(req, len(ids), req.max_tokens, req.logprobs, cfg.max_model_len)
         fmt = Formatter(tok, f"cmpl-{uuid.uuid4().hex}", cfg.model_name, chat=False,
                         logprobs=req.logprobs, include_usage=wants_usage(req))
-        return await run(req, ids, params, fmt)
+        return await run(request, req, ids, params, fmt)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_model(req.model)
         req.check_unsupported()
-        text, stops = render_chat(tok, [{"role": m.role, "content": m.text}
-                                        for m in req.messages])
-        ids = tok.encode(text)
+        ids, stops = await chat_token_ids(req, enc)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
@@ -120,7 +162,7 @@ def create_router_app(router: LiveRouter) -> FastAPI:
                            prompt_param="messages")
         fmt = Formatter(tok, f"chatcmpl-{uuid.uuid4().hex}", cfg.model_name, chat=True,
                         logprobs=logprobs, include_usage=wants_usage(req))
-        return await run(req, ids, params, fmt)
+        return await run(request, req, ids, params, fmt)
 
     @app.get("/v1/models")
     async def models():

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import json
 import threading
 import time
@@ -99,6 +100,50 @@ def model_fingerprint(model) -> str:
     return h.hexdigest()[:16]
 
 
+MAC_BYTES = 32              # HMAC-SHA256, the last frame of every message on a keyed channel
+MAX_RID_CHARS = 256
+
+
+def frame_mac(key: bytes, frames: list) -> bytes:
+    """HMAC-SHA256 under the cluster secret ``key`` of a message's frames (each prefixed by
+    its length, so frames cannot be re-split): the sender appends it as one more frame and
+    the receiver drops any message whose last frame is not the MAC of the others.
+
+    Example:
+        >>> m = frame_mac(b"k", [b"a", b"bc"])
+        >>> len(m), m == frame_mac(b"k", [b"ab", b"c"]), m == frame_mac(b"x", [b"a", b"bc"])
+        (32, False, False)
+    """
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for f in frames:
+        view = memoryview(f).cast("B")
+        h.update(view.nbytes.to_bytes(8, "little"))
+        h.update(view)
+    return h.digest()
+
+
+def check_mac(key: bytes, frames: list) -> list | None:
+    """The frames of a message without its MAC frame, or None if the MAC is missing or
+    wrong (constant-time comparison)."""
+    if len(frames) < 2:
+        return None
+    body, mac = frames[:-1], bytes(frames[-1])
+    return body if hmac.compare_digest(mac, frame_mac(key, body)) else None
+
+
+def transfer_key(secret: str | bytes | None) -> bytes | None:
+    """The transfer channel's HMAC key from a cluster secret (None: unauthenticated).
+
+    Example:
+        >>> len(transfer_key("s")), transfer_key(None)
+        (32, None)
+    """
+    if not secret:
+        return None
+    raw = secret.encode() if isinstance(secret, str) else secret
+    return hmac.new(raw, b"hyla-transfer-v1", hashlib.sha256).digest()
+
+
 def _header(**fields) -> bytes:
     return json.dumps({"v": PROTOCOL, **fields}, separators=(",", ":")).encode()
 
@@ -137,10 +182,16 @@ class TransferAssembler:
     (its ``request_id`` attribute names it), or None.
     """
 
-    def __init__(self, fingerprint: str, kinds: list[str]):
+    def __init__(self, fingerprint: str, kinds: list[str], *, vocab_size: int | None = None,
+                 max_nbytes: int = 4 << 30, max_partial: int = 64):
         self.fingerprint, self.kinds = fingerprint, list(kinds)
+        # Every field of a message is checked before use: token ids against the vocabulary
+        # (a bad first token would otherwise reach the batched forward pass), sizes against
+        # max_nbytes, and at most max_partial transfers are assembled at once.
+        self.vocab_size, self.max_nbytes, self.max_partial = vocab_size, max_nbytes, max_partial
         self.partial: dict[str, _Partial] = {}
         self.rejected: dict[str, str] = {}           # rid -> reason (later messages dropped)
+        self.dropped = 0                             # messages with nothing to attribute
 
     def _reject(self, rid: str, reason: str) -> TransferError:
         self.partial.pop(rid, None)
@@ -155,8 +206,12 @@ class TransferAssembler:
         now = time.monotonic() if now is None else now
         try:
             meta = json.loads(bytes(frames[0]))
-            rid, kind = str(meta["rid"]), meta["type"]
+            rid, kind = meta["rid"], meta["type"]
+            if not isinstance(rid, str) or not 0 < len(rid) <= MAX_RID_CHARS \
+                    or not isinstance(kind, str):
+                raise TypeError("bad rid or type")
         except (ValueError, KeyError, TypeError, IndexError):
+            self.dropped += 1
             return None                     # not ours: nothing to attribute it to
         if rid in self.rejected:
             return None
@@ -185,9 +240,15 @@ class TransferAssembler:
         if rid in self.partial:
             return self._reject(rid, "transfer began twice")
         for key in ("num_tokens", "nbytes", "chunks"):
-            if not isinstance(meta.get(key), int) or meta[key] < 0:
+            if type(meta.get(key)) is not int or meta[key] < 0:
                 return self._reject(rid, f"'begin' needs an int {key} >= 0, got "
                                          f"{meta.get(key)!r}")
+        if meta["nbytes"] > self.max_nbytes or meta["chunks"] > max(1, meta["nbytes"]):
+            return self._reject(rid, f"'begin' announces {meta['nbytes']} bytes in "
+                                     f"{meta['chunks']} chunks (limit {self.max_nbytes} bytes)")
+        if len(self.partial) >= self.max_partial:
+            return self._reject(rid, f"{len(self.partial)} transfers are already in progress "
+                                     f"(limit {self.max_partial})")
         self.partial[rid] = _Partial(meta, now)
         return None
 
@@ -218,18 +279,22 @@ class TransferAssembler:
         try:
             state = SequenceState.unflatten(torch.frombuffer(bytearray(b"".join(p.parts)),
                                                              dtype=torch.uint8))
-        except ValueError as e:
+        except Exception as e:  # noqa: BLE001 - any failure to unflatten is a corrupt state
+
             return self._reject(rid, f"state: {e}")
         if state.kinds != self.kinds or state.num_tokens != p.meta["num_tokens"]:
             return self._reject(rid, f"the state holds layers {state.kinds} x "
                                      f"{state.num_tokens} tokens, 'begin' announced "
                                      f"{self.kinds} x {p.meta['num_tokens']}")
-        try:
-            first = int(meta["first_token"])
-        except (KeyError, TypeError, ValueError):
-            return self._reject(rid, f"'end' needs an int first_token, got "
-                                     f"{meta.get('first_token')!r}")
-        return Transfer(rid, state, first, meta.get("logprob"), total, now - p.t0)
+        first = meta.get("first_token")
+        if type(first) is not int or first < 0 or (self.vocab_size is not None
+                                                    and first >= self.vocab_size):
+            return self._reject(rid, f"'end' needs an int first_token in [0, "
+                                     f"{self.vocab_size}), got {first!r}")
+        lp = meta.get("logprob")
+        if lp is not None and not _valid_logprob(lp, self.vocab_size):
+            return self._reject(rid, f"'end' has a malformed logprob {str(lp)[:100]}")
+        return Transfer(rid, state, first, lp, total, now - p.t0)
 
     def expire(self, older_than_s: float, now: float | None = None) -> list[TransferError]:
         """Reject transfers that have received nothing for ``older_than_s`` (stalled)."""
@@ -237,6 +302,22 @@ class TransferAssembler:
         stale = [r for r, p in self.partial.items() if now - p.last > older_than_s]
         return [self._reject(r, f"stalled: nothing arrived for {older_than_s:g} s")
                 for r in stale]
+
+
+def _valid_logprob(lp, vocab: int | None) -> bool:
+    """``{"token": int, "logprob": float, "top": [[int, float], ...]}`` (at most 20)."""
+    def tok(t):
+        return type(t) is int and t >= 0 and (vocab is None or t < vocab)
+
+    def num(x):
+        return type(x) in (int, float)
+    try:
+        return (isinstance(lp, dict) and tok(lp["token"]) and num(lp["logprob"])
+                and isinstance(lp["top"], list) and len(lp["top"]) <= 20
+                and all(isinstance(x, list) and len(x) == 2 and tok(x[0]) and num(x[1])
+                        for x in lp["top"]))
+    except (KeyError, TypeError):
+        return False
 
 
 class LinkLimiter:

@@ -25,8 +25,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from hyla.disagg.live.transfer import TransferError, model_fingerprint
 from hyla.disagg.live.transfer_net import StateReceiver, fault_injection_enabled
 from hyla.disagg.live.worker_prefill import logprob_to_dict, params_from_dict
+from hyla.serve.api_limits import bearer_ok
 from hyla.serve.api_schemas import error_body
-from hyla.serve.async_engine import AsyncEngine, QueueFull
+from hyla.serve.async_engine import AsyncEngine, EngineFailed, QueueFull, RequestFailed
 
 
 def _line(**fields) -> bytes:
@@ -37,11 +38,19 @@ def add_decode_routes(app: FastAPI, engine: AsyncEngine, receiver: StateReceiver
                       fingerprint: str, api_key: str | None = None) -> None:
     """Add the internal routes of a decode worker to ``app`` (made by ``create_app``)."""
     tok = engine.engine.tokenizer
+
+    def health_problem() -> str | None:
+        """Why this worker cannot serve (None: it can)."""
+        if not engine.alive:
+            return f"the engine is dead: {engine.error!r}"
+        if not receiver.alive:
+            return "the state receiver stopped"
+        return None
     load = {"queued_prompt_tokens": 0, "inflight": 0, "served": 0, "prefilled": 0}
     faults: dict = {}
 
     def authorized(request: Request) -> bool:
-        return not api_key or request.headers.get("authorization") == f"Bearer {api_key}"
+        return bearer_ok(request.headers.get("authorization"), api_key)
 
     async def stream(rid, prompt, params, prefilled, timeout):
         load["inflight"] += 1
@@ -85,7 +94,9 @@ def add_decode_routes(app: FastAPI, engine: AsyncEngine, receiver: StateReceiver
             yield _line(error=str(e), kind="invalid")
         except QueueFull as e:
             yield _line(error=f"the decode worker is busy: {e}", kind="busy")
-        except RuntimeError as e:
+        except RequestFailed as e:          # this request alone: the router does not retry
+            yield _line(error=str(e), kind="request")
+        except (EngineFailed, RuntimeError) as e:
             yield _line(error=str(e), kind="engine")
         finally:
             load["queued_prompt_tokens"] -= queued
@@ -110,23 +121,34 @@ def add_decode_routes(app: FastAPI, engine: AsyncEngine, receiver: StateReceiver
                                  media_type="application/x-ndjson")
 
     @app.get("/internal/info")
-    async def info():
+    async def info(request: Request):
+        if not authorized(request):
+            return JSONResponse(error_body("bad API key", code="invalid_api_key"), 401)
         e = engine.engine
         s = e.stats
         tps = s["prompt_tokens"] / s["prefill_time_s"] if s["prefill_time_s"] > 0 else 20_000.0
-        return {"status": "ok" if engine.error is None else "error", "role": "decode",
+        problem = health_problem()
+        body = {"status": "ok" if problem is None else "error", "error": problem,
+                "role": "decode",
                 "pid": os.getpid(), "fingerprint": fingerprint,
                 "transfer_address": receiver.address, "running": e.scheduler.num_running,
                 "waiting": engine.num_waiting, "max_num_seqs": e.config.max_num_seqs,
                 "max_model_len": e.config.max_model_len, "tokens_per_s": tps,
                 "queue_s": load["queued_prompt_tokens"] / tps, **load,
                 "prefill_time_s": s["prefill_time_s"], "decode_time_s": s["decode_time_s"],
-                "engine_stats": dict(s), "transfers": dict(receiver.stats)}
+                "engine_stats": dict(s), "transfers": dict(receiver.stats),
+                "engine_restarts": engine.restarts}
+        return JSONResponse(body, 200 if problem is None else 503)
 
     if fault_injection_enabled():
         @app.post("/internal/fault")
         async def fault(request: Request):
+            if not authorized(request):
+                return JSONResponse(error_body("bad API key", code="invalid_api_key"), 401)
             body = await request.json()
+            if body.pop("engine_dead", False):      # the engine dies, the process stays up
+                engine.on_dead = None
+                engine._die(RuntimeError("fault injection: engine dead"))
             if body.pop("clear", False):
                 faults.clear()
             faults.update(body)
@@ -135,8 +157,11 @@ def add_decode_routes(app: FastAPI, engine: AsyncEngine, receiver: StateReceiver
 
 def build_decode_worker(model, tok, name: str, engine_config, *, max_waiting: int = 256,
                         api_key: str | None = None, transfer_bind: str = "tcp://127.0.0.1:0",
-                        advertise_host: str | None = None, stall_s: float = 30.0):
-    """(app, async engine, receiver) of a decode worker; the caller shuts both down."""
+                        advertise_host: str | None = None, stall_s: float = 30.0,
+                        transfer_key: bytes | None = None, on_dead=None):
+    """(app, async engine, receiver) of a decode worker; the caller shuts both down.
+    ``transfer_key``: the HMAC key every shipped state's frames must carry; ``on_dead``:
+    called if the engine dies (the role exits non-zero so a supervisor restarts it)."""
     from hyla.model.state import SequenceState
     from hyla.serve.api import create_app
     from hyla.serve.engine import Engine
@@ -144,10 +169,12 @@ def build_decode_worker(model, tok, name: str, engine_config, *, max_waiting: in
 
     engine = Engine(model, tok, engine_config)
     engine.generate([[0]], SamplingParams(max_tokens=2, temperature=0))     # warm-up
-    async_engine = AsyncEngine(engine, max_waiting=max_waiting)
+    async_engine = AsyncEngine(engine, max_waiting=max_waiting, on_dead=on_dead)
     fp = model_fingerprint(model)
     receiver = StateReceiver(fp, SequenceState.empty(model.cfg).kinds, bind=transfer_bind,
-                             stall_s=stall_s, advertise_host=advertise_host)
-    app = create_app(async_engine, model_name=name, api_key=api_key)
+                             stall_s=stall_s, advertise_host=advertise_host, key=transfer_key,
+                             vocab_size=model.cfg.vocab_size)
+    app = create_app(async_engine, model_name=name, api_key=api_key,
+                     health_check=lambda: None if receiver.alive else "the state receiver stopped")
     add_decode_routes(app, async_engine, receiver, fp, api_key)
     return app, async_engine, receiver

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from hyla.disagg.live.transfer import model_fingerprint
 from hyla.disagg.live.transfer_net import StateSender, fault_injection_enabled
 from hyla.model.state import SequenceState
+from hyla.serve.api_limits import bearer_ok
 from hyla.serve.api_schemas import error_body
 from hyla.serve.engine import Engine, EngineConfig
 from hyla.serve.sequence import SamplingParams
@@ -61,7 +62,11 @@ class PrefillService:
     """
 
     def __init__(self, model, *, max_model_len: int, block_size: int = 16,
-                 chunk_tokens: int = 2048, link_gbps: float | None = None):
+                 chunk_tokens: int = 2048, link_gbps: float | None = None,
+                 key: bytes | None = None, allowed: set[str] | None = None):
+        """``key``: the transfer channel's HMAC key; ``allowed``: the decode workers'
+        transfer addresses it may send to (None: any; the router sets them,
+        :meth:`register`)."""
         self.model = model.eval()
         # one sequence at a time (a serial prefill instance); no prefix cache: the router
         # counts none on the remote pool
@@ -70,7 +75,7 @@ class PrefillService:
             block_size=block_size, enable_prefix_caching=False))
         self.kinds = SequenceState.empty(model.cfg).kinds
         self.fingerprint = model_fingerprint(model)
-        self.sender = StateSender(self.fingerprint, link_gbps)
+        self.sender = StateSender(self.fingerprint, link_gbps, key=key, allowed=allowed)
         self.link_gbps = link_gbps
         self.faults: dict = {}
         self.stats = {"requests": 0, "failed": 0, "prompt_tokens": 0, "prefill_s": 0.0,
@@ -94,8 +99,23 @@ class PrefillService:
         s = self.stats
         return s["prompt_tokens"] / s["prefill_s"] if s["prefill_s"] > 0 else 20_000.0
 
+    def register(self, addresses: list[str]) -> None:
+        """The decode workers (transfer addresses) the router has: the only destinations."""
+        if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
+            raise ValueError("decode must be a list of tcp:// addresses")
+        self.sender.allowed = set(addresses[:1024])
+
+    @property
+    def problem(self) -> str | None:
+        """Why this worker cannot serve (None: it can)."""
+        dead = [t.name for t in (self._thread, self._shipper, self.sender._thread)
+                if not t.is_alive()]
+        return f"threads stopped: {dead}" if dead else None
+
     def info(self) -> dict:
         return {"role": "prefill", "pid": os.getpid(), "fingerprint": self.fingerprint,
+                "sockets": self.sender.num_sockets,
+                "registered_decode": len(self.sender.allowed or ()),
                 "queued_tokens": self.queued_tokens, "queue_s": self.queued_tokens /
                 self.tokens_per_s, "tokens_per_s": self.tokens_per_s,
                 "egress_gbps": self.sender.meter.gbps(), "bytes_sent": self.sender.meter.total,
@@ -109,6 +129,7 @@ class PrefillService:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self.engine.check_request(prompt, params, prefill_only=True)
+        self.sender.check_dest(dest)
         with self._lock:
             self.queued_tokens += len(prompt)
         self._jobs.put((rid, prompt, params, dest, loop, fut))
@@ -210,30 +231,56 @@ def create_prefill_app(svc: PrefillService, api_key: str | None = None) -> FastA
     app = FastAPI(title="hyla prefill worker")
 
     def authorized(request: Request) -> bool:
-        return not api_key or request.headers.get("authorization") == f"Bearer {api_key}"
+        return bearer_ok(request.headers.get("authorization"), api_key)
+
+    def denied():
+        return JSONResponse(error_body("bad API key", code="invalid_api_key"), 401)
 
     @app.post("/internal/prefill")
     async def prefill(request: Request):
         if not authorized(request):
-            return JSONResponse(error_body("bad API key", code="invalid_api_key"), 401)
+            return denied()
         try:
             body = await request.json()
             params = params_from_dict(body["params"])
-            return await svc.submit(str(body["request_id"]), list(body["prompt_ids"]),
-                                    params, str(body["dest"]))
+            prompt = body["prompt_ids"]
+            if not isinstance(prompt, list) or not all(type(t) is int for t in prompt):
+                raise ValueError("prompt_ids must be a list of ints")
+            return await svc.submit(str(body["request_id"]), prompt, params, body["dest"])
         except (ValueError, KeyError, TypeError) as e:
             return JSONResponse(error_body(f"bad prefill request: {e}"), 400)
         except Exception as e:  # noqa: BLE001
             return JSONResponse(error_body(f"prefill failed: {e!r}", "server_error"), 500)
 
+    @app.post("/internal/registry")
+    async def registry(request: Request):
+        if not authorized(request):
+            return denied()
+        try:
+            svc.register((await request.json())["decode"])
+        except (ValueError, KeyError, TypeError) as e:
+            return JSONResponse(error_body(f"bad registry: {e}"), 400)
+        return {"ok": True, "decode": len(svc.sender.allowed or ())}
+
     @app.get("/health")
+    async def health():
+        problem = svc.problem
+        return JSONResponse({"status": "ok" if problem is None else "error",
+                             "error": problem}, 200 if problem is None else 503)
+
     @app.get("/internal/info")
-    async def info():
-        return {"status": "ok", **svc.info()}
+    async def info(request: Request):
+        if not authorized(request):
+            return denied()
+        problem = svc.problem
+        return JSONResponse({"status": "ok" if problem is None else "error", "error": problem,
+                             **svc.info()}, 200 if problem is None else 503)
 
     if fault_injection_enabled():
         @app.post("/internal/fault")
         async def fault(request: Request):
+            if not authorized(request):
+                return denied()
             body = await request.json()
             if body.get("clear"):
                 svc.sender.faults.clear()

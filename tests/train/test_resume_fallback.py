@@ -1,0 +1,66 @@
+"""``--resume`` falls back to the newest intact checkpoint and says which; it accepts a
+``ckpt-<step>`` directory (issue 15, item 12). A checkpoint without its tokenizer is an error
+naming the file (item 9)."""
+
+import json
+
+import pytest
+
+from hyla.data.tokenizer import ByteTokenizer, load_tokenizer
+from hyla.model import HylaLM, preset
+from hyla.model.formats.checkpoint import load_checkpoint, save_checkpoint
+from hyla.train.config import TrainConfig
+from hyla.train.trainer import Trainer
+
+
+def tiny(out, **kw) -> TrainConfig:
+    base = dict(preset="debug", steps=4, seq_len=32, batch_size=2, vocab_size=300,
+                tokenizer_documents=5, save_every=2, eval_batches=1, warmup_steps=1,
+                keep_last=3, out=str(out))
+    return TrainConfig(**(base | kw))
+
+
+@pytest.fixture
+def run(tmp_path):
+    out = tmp_path / "run"
+    Trainer(tiny(out)).fit(progress=False)
+    assert [p.name for p in sorted(out.glob("ckpt-*"))] == ["ckpt-000002", "ckpt-000004"]
+    return out
+
+
+def test_truncated_newest_checkpoint_falls_back(run, capsys):
+    weights = run / "ckpt-000004" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])          # truncated mid-write
+    resumed = Trainer(TrainConfig(out=str(run)), resume=str(run))
+    assert resumed.step == 2
+    err = capsys.readouterr().err
+    assert "ckpt-000002" in err and "skipped ckpt-000004" in err
+    state = run / "ckpt-000004" / "train_state.pt"
+    state.write_bytes(b"")
+    assert Trainer(TrainConfig(out=str(run)), resume=str(run)).step == 2
+
+
+def test_resume_accepts_a_checkpoint_directory(run):
+    resumed = Trainer(TrainConfig(out=str(run)), resume=str(run / "ckpt-000002"))
+    assert resumed.step == 2 and resumed.out == run
+    assert resumed.fit(progress=False)["step"] == 4
+    assert not (run / "ckpt-000002" / "ckpt-000004").exists()
+
+
+def test_no_intact_checkpoint_names_each(run):
+    for c in run.glob("ckpt-*"):
+        (c / "train_state.pt").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="ckpt-000004 .*ckpt-000002"):
+        Trainer(TrainConfig(out=str(run)), resume=str(run))
+
+
+def test_missing_tokenizer_is_an_error_naming_the_file(tmp_path):
+    cfg = preset("debug")
+    save_checkpoint(HylaLM(cfg), tmp_path / "bytes")         # 256 ids: the byte tokenizer
+    assert isinstance(load_checkpoint(tmp_path / "bytes")[1], ByteTokenizer)
+    big = tmp_path / "big"
+    save_checkpoint(HylaLM(preset("debug")), big)
+    conf = json.loads((big / "config.json").read_text())
+    (big / "config.json").write_text(json.dumps(conf | {"vocab_size": 300}))
+    with pytest.raises(ValueError, match="tokenizer.json is missing"):
+        load_tokenizer(big)
