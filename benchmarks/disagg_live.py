@@ -6,7 +6,7 @@ measured end to end through the router.
 
 Each mode starts a real ``hyla cluster`` (router + 1 prefill worker + 1 PD worker, each an
 OS process with 1 torch thread; debug preset: random weights, byte tokenizer) and replays
-the Azure conversation trace (``../shared/traces/azure_conv_2023.csv``): prompt lengths
+the Azure conversation trace (``azure-conv``, shipped with hyla): prompt lengths
 scaled by ``--length-scale``, outputs by ``--output-scale``, arrivals rescaled to
 ``--rate`` req/s, at each ``--link-gbps``. The modes run interleaved, ``--repeats`` times;
 the table gives each metric's median over the repeats, and its ratio to all-local and to
@@ -40,7 +40,7 @@ from hyla.disagg.live.cluster import ClusterSpec, free_port, launch  # noqa: E40
 from hyla.disagg.sim.workload import load_trace  # noqa: E402
 from hyla.perf import print_table, write_results  # noqa: E402
 
-TRACE = ROOT.parent / "shared" / "traces" / "azure_conv_2023.csv"
+TRACE = "azure-conv"  # the Azure conversation trace that ships with hyla
 
 
 async def _request(client, base, req, t0, out):

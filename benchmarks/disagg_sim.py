@@ -46,7 +46,7 @@ from hyla.disagg.sim.setups import (
 from hyla.disagg.sim.workload import describe
 from hyla.perf import RESULTS_DIR, print_table, write_results
 
-TRACE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_conv_2023.csv"
+TRACE = "azure-conv"  # the Azure conversation trace that ships with hyla
 
 
 def study(label, make, grid_rates, thresholds, homo_splits, prfaas_splits, common_rate, log,
@@ -163,7 +163,7 @@ def main() -> None:
             "calibrated", synthetic, (1.6, 4.6), ts, [9, 10, 11], splits, 1.0, log,
             calibrate=True)
     if "azure" in args.studies:
-        tr = workload_maker(trace=str(TRACE), length_scale=8, arrivals="trace",
+        tr = workload_maker(trace=TRACE, length_scale=8, arrivals="trace",
                             num_requests=4 * n)   # short outputs: cheap, high rates need more
         tts = [4_000, 8_000, 16_000] if args.quick else [4_000, 8_000, 12_000, 19_400]
         studies["azure conv x8 (trace)"] = study("azure x8", tr, (3.2, 34.0), tts, [8, 9, 10],

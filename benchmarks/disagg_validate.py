@@ -12,7 +12,7 @@ output throughput and TTFT p50 at three load levels (target: within 20%).
    second worker, the transfer set-up). These are simulator inputs, like the link's
    bandwidth, measured before and apart from the loads being predicted.
 3. For each request rate, replay the same slice of the Azure conversation trace
-   (``../shared/traces/azure_conv_2023.csv``, outputs scaled by ``--output-scale``) in
+   (``azure-conv``, shipped with hyla; outputs scaled by ``--output-scale``) in
    PrfaaS mode; measure output tok/s (output tokens of completed requests / (last
    completion - first arrival)) and TTFT p50 (through the router, first streamed token).
 4. Simulate the same topology (a colocated PD instance with the engine's chunking and
@@ -54,7 +54,7 @@ from hyla.disagg.sim.model import Deployment, Sim, SimConfig  # noqa: E402
 from hyla.disagg.sim.workload import Request, describe, load_trace  # noqa: E402
 from hyla.perf import print_table, write_results  # noqa: E402
 
-TRACE = ROOT.parent / "shared" / "traces" / "azure_conv_2023.csv"
+TRACE = "azure-conv"  # the Azure conversation trace that ships with hyla
 PROBE_LEN = 32
 PROBES = 5
 LONG_PROBE_TOKENS = 16      # extra streamed tokens of the probes that price a token

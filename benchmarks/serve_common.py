@@ -9,9 +9,10 @@ import random
 
 import torch
 
+from hyla.disagg.sim.traces import trace_path
 from hyla.model import HylaLM, preset
 
-TRACE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_conv_2023.csv"
+TRACE = trace_path("azure-conv")  # the Azure conversation trace that ships with hyla
 
 
 def trace_workload(n: int, length_scale: float, seed: int = 0,

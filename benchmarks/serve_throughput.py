@@ -2,7 +2,7 @@
 and >= 10x a one-request-at-a-time loop, on trace-shaped requests.
 
 Workload: 64 requests whose prompt and output lengths are drawn (seed 0) from the Azure
-conversation trace (../shared/traces/azure_conv_2023.csv), lengths divided by
+conversation trace (``azure-conv``, shipped with hyla), lengths divided by
 ``--length-scale`` (default 4) to fit this CPU; prompts are random token ids, outputs run
 to their trace length (greedy, EOS ignored). Contenders, one after another in one process,
 each repeated and the median taken:

@@ -4,7 +4,8 @@ measured step costs, for the simulator) and ``hyla kv-table``.
 Example:
     $ hyla simulate --setup published --rate 2 --json out.json
     $ hyla simulate --setup published                    # each deployment at its capacity
-    $ hyla simulate --trace ../shared/traces/azure_conv_2023.csv --length-scale 8 --rate 1.5
+    $ hyla simulate --trace azure-conv --length-scale 8 --rate 1.5   # or --trace PATH.csv
+    $ hyla simulate --list-traces                        # the built-in traces
     $ hyla profile --preset small --json cpu.json        # this machine's engine
     $ hyla simulate --profile cpu.json --rate 0.5        # every instance a process like it
     $ hyla kv-table
@@ -29,7 +30,11 @@ def add_simulate(sub) -> argparse.ArgumentParser:
                        "Prefill-as-a-Service deployments (SimPy)")
     p.add_argument("--setup", default="published", choices=("published",),
                    help="hardware and model of the published case study (default)")
-    p.add_argument("--trace", default=None, help="request trace CSV (replaces the workload)")
+    p.add_argument("--trace", default=None, metavar="NAME|CSV",
+                   help="request trace (replaces the workload): a built-in name "
+                        "(azure-conv, arxiv-summarization) or a CSV path")
+    p.add_argument("--list-traces", action="store_true",
+                   help="list the built-in traces with their length percentiles, and exit")
     p.add_argument("--length-scale", type=positive_float, default=1.0,
                    help="multiply the trace's prompt lengths (say so in reports)")
     p.add_argument("--output-scale", type=positive_float, default=1.0,
@@ -95,6 +100,7 @@ def run_simulate(args: argparse.Namespace, progress=None) -> dict:
         with_rate_range,
         workload_maker,
     )
+    from hyla.disagg.sim.traces import trace_path
 
     names = [n.strip() for n in args.deployments.split(",") if n.strip()]
     deps = published_deployments(homo_prefill=args.homo_prefill,
@@ -111,8 +117,11 @@ def run_simulate(args: argparse.Namespace, progress=None) -> dict:
         raise ValueError(f"--requests must be >= 10, got {args.requests}")
     if args.threshold < 1:
         raise ValueError(f"--threshold must be >= 1 token, got {args.threshold}")
-    if args.trace is not None and not pathlib.Path(args.trace).is_file():
-        raise ValueError(f"--trace {args.trace} does not exist")
+    if args.trace is not None:
+        try:
+            trace_path(args.trace)
+        except ValueError as e:
+            raise ValueError(f"--trace: {e}") from None
     arrivals = args.arrivals or ("trace" if args.trace else "poisson")
     make = workload_maker(trace=args.trace, length_scale=args.length_scale,
                           output_scale=args.output_scale, arrivals=arrivals, cv=args.cv,
@@ -196,6 +205,12 @@ def results_table(res: dict, title: str) -> Table:
 
 
 def cmd_simulate(args: argparse.Namespace, out: Console) -> int:
+    if args.list_traces:
+        for line in traces_lines():
+            out.print(line, markup=False, highlight=False)
+        out.print("Use one with --trace NAME (or give a CSV path); provenance and licence: "
+                  "hyla/disagg/sim/traces/README.md", markup=False, highlight=False)
+        return 0
     res = run_simulate(args, progress=lambda n: out.print(f"[dim]simulating {n}...[/]"))
     out.print(results_table(res, f"{res['setup']} setup, {res['mode']}"))
     for k, v in res["ratios"].items():
@@ -204,6 +219,16 @@ def cmd_simulate(args: argparse.Namespace, out: Console) -> int:
         pathlib.Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
         out.print(f"wrote {args.json}")
     return 0
+
+
+def traces_lines() -> list[str]:
+    """``hyla simulate --list-traces``: the built-in traces and their length percentiles."""
+    from hyla.disagg.sim.traces import list_traces
+
+    return [f"{t['name']}: {t['about']} ({t['file']}); {t['requests']:,} requests, "
+            f"{'with' if t['arrivals'] else 'no'} arrival times; prompt p50/p90/p99 "
+            f"{t['prompt_p50']:,} / {t['prompt_p90']:,} / {t['prompt_p99']:,} tokens, "
+            f"output p50/p90 {t['output_p50']:,} / {t['output_p90']:,}" for t in list_traces()]
 
 
 def cmd_kv_table(args: argparse.Namespace, out: Console) -> int:

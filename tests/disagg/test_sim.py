@@ -2,8 +2,6 @@
 
 import dataclasses
 import json
-import pathlib
-import random
 
 import pytest
 
@@ -16,27 +14,16 @@ from hyla.disagg.sim.hardware import (
 from hyla.disagg.sim.kv_table import kv_table
 from hyla.disagg.sim.model import Deployment, Sim, SimConfig
 from hyla.disagg.sim.setups import published_deployments, workload_maker
+from hyla.disagg.sim.traces import TRACES, list_traces, trace_path
 from hyla.disagg.sim.workload import SyntheticMix, arrival_times, load_trace
 
-SHARED_TRACE = (pathlib.Path(__file__).resolve().parents[3] / "shared" / "traces"
-                / "azure_conv_2023.csv")
 MODEL = published_1t_hybrid()
 
 
 @pytest.fixture(scope="module")
-def trace(tmp_path_factory) -> str:
-    """The Azure conversation trace; where a checkout lacks the shared traces, 200 rows of
-    the same columns (arrival s, prompt and output tokens), so the tests still run."""
-    if SHARED_TRACE.is_file():
-        return str(SHARED_TRACE)
-    rng = random.Random(0)
-    rows, t = ["arrived_at,num_prefill_tokens,num_decode_tokens"], 0.0
-    for _ in range(200):
-        rows.append(f"{t:.6f},{rng.randint(20, 4000)},{rng.randint(5, 500)}")
-        t += rng.expovariate(5.5)
-    path = tmp_path_factory.mktemp("trace") / "conv.csv"
-    path.write_text("\n".join(rows) + "\n")
-    return str(path)
+def trace() -> str:
+    """The Azure conversation trace that ships with hyla, by path (names work too)."""
+    return str(trace_path("azure-conv"))
 
 
 def small_deps():
@@ -97,8 +84,37 @@ def test_workloads(trace):
     assert follow and all(r.prefix_len < r.prompt_len for r in follow)
     with pytest.raises(ValueError, match="rate"):
         arrival_times(3, 0.0)
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(ValueError, match="neither a built-in trace"):
         load_trace("/nonexistent.csv")
+
+
+def test_built_in_traces_ship_with_the_package_and_load_by_name():
+    # package data, with their provenance and licence beside them
+    assert "MIT License" in (trace_path("azure-conv").parent / "README.md").read_text()
+    summary = {t["name"]: t for t in list_traces()}
+    assert set(summary) == set(TRACES)
+    conv, arxiv = summary["azure-conv"], summary["arxiv-summarization"]
+    assert (conv["requests"], conv["prompt_p50"], conv["arrivals"]) == (19_366, 1_020, True)
+    assert (arxiv["requests"], arxiv["prompt_p50"], arxiv["arrivals"]) == (28_257, 2_730, False)
+    by_name = load_trace("azure-conv", num_requests=5)
+    assert by_name == load_trace(trace_path("azure-conv"), num_requests=5)
+    with pytest.raises(ValueError, match="give a rate"):
+        load_trace("arxiv-summarization", num_requests=5)
+    assert len(load_trace("arxiv-summarization", rate=2.0, num_requests=5)) == 5
+
+
+def test_cli_simulate_takes_a_trace_name_and_lists_them(tmp_path, capsys):
+    from hyla.cli import main
+
+    assert main(["simulate", "--list-traces"]) == 0
+    listed = capsys.readouterr().out
+    assert "azure-conv" in listed and "arxiv-summarization" in listed and "1,020" in listed
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--trace", "arxiv-summarization", "--rate", "0.5", "--requests",
+                 "10", "--deployments", "naive", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["workload"]["trace"] == "arxiv-summarization"
+    assert main(["simulate", "--trace", "nope", "--rate", "1"]) == 2
+    assert "neither a built-in trace" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kind", ["homogeneous", "naive", "prfaas"])

@@ -4,7 +4,8 @@ A :class:`Request` has an arrival time, a prompt length, an output length and, f
 follow-up turn of a conversation, its session and the length of the prefix it shares with
 the session's previous turn (what a prefix cache can serve).
 
-Traces: the CSVs in ``shared/traces/`` (columns ``num_prefill_tokens``,
+Traces: the built-in ones by name (``azure-conv``, ``arxiv-summarization``: package data, see
+:mod:`hyla.disagg.sim.traces`) or any CSV by path (columns ``num_prefill_tokens``,
 ``num_decode_tokens`` and, when present, ``arrived_at``). ``length_scale`` multiplies prompt
 lengths (and ``output_scale`` output lengths): the traces are short-context, and long-context
 studies must say they scaled them. Arrivals: ``"trace"`` keeps the trace's own timestamps,
@@ -19,6 +20,8 @@ import math
 import pathlib
 import random
 from dataclasses import dataclass
+
+from hyla.disagg.sim.traces import trace_path
 
 ARRIVALS = ("trace", "poisson", "gamma")
 
@@ -62,14 +65,17 @@ def load_trace(path: str | pathlib.Path, *, length_scale: float = 1.0,
                output_scale: float = 1.0, rate: float | None = None, arrivals: str = "trace",
                cv: float = 2.0, num_requests: int | None = None, skip: int = 0,
                max_len: int = 1 << 20, seed: int = 0) -> list[Request]:
-    """Requests from a trace CSV (see the module docstring).
+    """Requests from a trace: a built-in name or a CSV path (see the module docstring).
 
     With ``arrivals="trace"`` and no ``arrived_at`` column, Poisson arrivals are used.
     ``rate=None`` keeps the trace's own rate (trace arrivals only).
+
+    Example:
+        >>> reqs = load_trace("azure-conv", num_requests=3)
+        >>> [(r.prompt_len, r.output_len) for r in reqs]
+        [(374, 44), (396, 109), (879, 55)]
     """
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise ValueError(f"trace {path} does not exist")
+    path = trace_path(path)
     if length_scale <= 0 or output_scale <= 0:
         raise ValueError("length_scale and output_scale must be > 0")
     if arrivals not in ARRIVALS:
