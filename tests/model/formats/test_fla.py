@@ -169,8 +169,8 @@ def test_load_model_dispatches_to_fla(tmp_path, fla_models, fla_on_cpu):
 # ---------------------------------------------------------------- hyla -> fla
 
 def _hybrid(**overrides) -> HylaLM:
-    cfg = dataclasses.replace(preset("debug"), layers="GAGGA", vocab_size=VOCAB,
-                              rope_theta=500.0, norm_eps=1e-5, chunk_size=64, **overrides)
+    cfg = dataclasses.replace(preset("debug"), **({"layers": "GAGGA"} | overrides),
+                              vocab_size=VOCAB, rope_theta=500.0, norm_eps=1e-5, chunk_size=64)
     torch.manual_seed(1)
     model = HylaLM(cfg).eval()
     with torch.no_grad():
@@ -199,15 +199,36 @@ def test_export_reads_back_and_loads_in_transformers(tmp_path, fla_on_cpu, overr
     assert isinstance(tok, ByteTokenizer)
 
 
+def test_greedy_tokens_equal_fla_cached_decoding(tmp_path, fla_on_cpu):
+    """hyla's generate (prefill, then one-token decode steps) and fla's own cache (GLA state,
+    attention KV) pick the same tokens. fla's cache is driven by hand: transformers 5's
+    generate() hands it over as ``cache=``, which fla 0.6's forward does not read, so its
+    generate() decodes each token without the past."""
+    from hyla.model.generate import generate
+
+    model = _hybrid(sliding_window=16)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        export_fla(model, ByteTokenizer(), tmp_path / "export"), dtype=torch.float32).eval()
+    prompt = torch.randint(0, VOCAB, (1, 20))
+    with torch.no_grad():
+        out = ref(prompt, use_cache=True)
+        tokens = [int(out.logits[0, -1].argmax())]
+        for _ in range(15):
+            out = ref(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
+                      use_cache=True)
+            tokens.append(int(out.logits[0, -1].argmax()))
+    assert generate(model, prompt[0].tolist(), 16, temperature=0) == tokens
+
+
 def test_cli_export_format_fla(tmp_path):
     from hyla.cli.main import main
     from hyla.model.formats.checkpoint import save_checkpoint
 
-    model = _hybrid()
+    model = HylaLM(dataclasses.replace(preset("debug"), layers="GAGGA", chunk_size=64)).eval()
     ckpt = save_checkpoint(model, tmp_path / "ckpt")
     assert main(["export", "--format", "fla", str(ckpt), str(tmp_path / "out")]) == 0
     back, _ = load_fla(tmp_path / "out")
-    ids = torch.randint(0, VOCAB, (1, 30))
+    ids = torch.randint(0, 256, (1, 30))
     with torch.no_grad():
         torch.testing.assert_close(back(ids), model(ids), atol=0, rtol=0)
 
