@@ -71,15 +71,39 @@ class BodyLimitMiddleware:
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > self.max_bytes:
+                    if msg.get("more_body"):
+                        await _drain(receive)
                     raise BodyTooLarge(self.max_bytes)
             return msg
         await self.app(scope, limited, send)
 
     async def _reject(self, scope, receive, send):
+        await _drain(receive)
         e = BodyTooLarge(self.max_bytes)
         resp = JSONResponse(error_body(e.detail, code="request_too_large"), 413,
                             headers={"Connection": "close"})
         await resp(scope, receive, send)
+
+
+async def _drain(receive, cap: int = 256 << 20, timeout_s: float = 30.0) -> None:
+    """Read and discard the rest of a request body (up to ``cap`` bytes), holding none of it:
+    a client still sending when the 413 goes out would otherwise see its connection reset
+    instead of the answer."""
+    got = 0
+
+    async def run():
+        nonlocal got
+        while got <= cap:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return
+            got += len(msg.get("body", b""))
+            if not msg.get("more_body"):
+                return
+    try:
+        await asyncio.wait_for(run(), timeout_s)
+    except TimeoutError:
+        pass
 
 
 class APIKeyMiddleware:

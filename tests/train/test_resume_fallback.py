@@ -64,3 +64,19 @@ def test_missing_tokenizer_is_an_error_naming_the_file(tmp_path):
     (big / "config.json").write_text(json.dumps(conf | {"vocab_size": 300}))
     with pytest.raises(ValueError, match="tokenizer.json is missing"):
         load_tokenizer(big)
+
+
+def test_config_that_does_not_match_its_weights_is_one_line_before_allocating(tmp_path):
+    """Item 8: huge dimensions in config.json are refused by the weights' header, not after
+    allocating them (d_model 65536 x 256 ids would be tens of GiB)."""
+    import resource
+
+    d = save_checkpoint(HylaLM(preset("debug")), tmp_path / "ck")
+    conf = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(conf | {"d_model": 65536, "ffn_dim": 262144}))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ValueError) as e:
+        load_checkpoint(d)
+    assert "\n" not in str(e.value) and "model.safetensors" in str(e.value)
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 512 * 1024, grown_kib
