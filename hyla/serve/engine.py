@@ -97,7 +97,8 @@ class Engine:
             max_model_len=c.max_model_len, block_size=c.block_size,
             num_kv_blocks=blocks if has_attn else 0, decode_widths=c.decode_widths,
             enable_prefix_caching=c.enable_prefix_caching,
-            num_state_snapshots=snaps if has_gla else 0, snapshot_interval=c.snapshot_interval))
+            num_state_snapshots=snaps if has_gla else 0, snapshot_interval=c.snapshot_interval,
+            sliding_window=model.cfg.sliding_window))
         self.runner = Runner(model, max_num_seqs=c.max_num_seqs, num_kv_blocks=blocks,
                              block_size=c.block_size,
                              num_snapshots=snaps if has_gla else 0, compile=c.compile)

@@ -61,11 +61,16 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     num_state_snapshots: int = 0
     snapshot_interval: int = 512
+    # the model's attention window (HylaConfig.sliding_window): KV blocks that fall out of a
+    # sequence's window are released while it runs
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
         if self.decode_widths is None:
             self.decode_widths = decode_widths(self.max_num_seqs)
         widths = tuple(sorted(set(self.decode_widths)))
@@ -233,10 +238,12 @@ class Scheduler:
         finished = []
         for seq in out.decodes:
             seq.num_computed_tokens += 1
+            self._release_out_of_window(seq)
         for chunk in out.prefills:
             seq = chunk.seq
             seq.num_computed_tokens = chunk.end
             self._cache_prefix(seq, out)
+            self._release_out_of_window(seq)
         for seq in [*out.decodes, *(c.seq for c in out.prefills if c.samples)]:
             if seq.is_finished:        # aborted meanwhile
                 continue
@@ -287,8 +294,11 @@ class Scheduler:
         if self.pool.num_free == 0:
             return False
         match = None
+        # A request that asks for its prompt's logprobs computes the whole prompt (a cached
+        # prefix has no logits to give), as vLLM does; it still fills the cache for others.
         if (self.prefix_cache is not None and seq.external_state is None
-                and seq.num_computed_tokens == 0):
+                and seq.num_computed_tokens == 0
+                and getattr(seq.params, "prompt_logprobs", None) is None):
             match = self.prefix_cache.match(seq.all_token_ids)
             if match.num_tokens == 0:
                 match = None
@@ -329,11 +339,36 @@ class Scheduler:
                                                                  self.config.block_size)
         n = seq.num_computed_tokens
         full = min(n // self.config.block_size, len(hashes))
-        pc.insert_blocks(hashes[:full], seq.block_table[:full])
+        held = [(h, b) for h, b in zip(hashes[:full], seq.block_table[:full], strict=False)
+                if b != self.released_block]
+        pc.insert_blocks([h for h, _ in held], [b for _, b in held])
         if n <= seq.num_prompt_tokens and pc.is_snapshot_boundary(n, seq.num_prompt_tokens):
             snap = pc.save_snapshot(hashes[n // self.config.block_size - 1])
             if snap is not None:
                 out.snapshot_saves.append((seq.slot, snap))
+
+    def _release_out_of_window(self, seq: Sequence) -> None:
+        """With a sliding window, give back the KV blocks no later token of ``seq`` reads:
+        the next query (position ``num_computed_tokens``) sees keys from ``num_computed_tokens
+        - window + 1`` on. Their places in the block table keep the positions of the others
+        and point at the runner's pad block (:attr:`released_block`), which attention never
+        reads unmasked. A cached block stays in the prefix cache, evictable."""
+        window, blocks = self.config.sliding_window, self.blocks
+        if window is None or blocks is None:
+            return
+        gone = min(max(0, seq.num_computed_tokens - window + 1) // self.config.block_size,
+                   len(seq.block_table))
+        table = seq.block_table
+        for i in range(gone - 1, -1, -1):           # released blocks form a prefix
+            if table[i] == self.released_block:
+                break
+            blocks.free([table[i]])
+            table[i] = self.released_block
+
+    @property
+    def released_block(self) -> int:
+        """What a released block's place in a table holds: the runner's pad block."""
+        return self.config.num_kv_blocks
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -355,7 +390,7 @@ class Scheduler:
             self.pool.free(seq.slot)
             seq.slot = None
         if self.blocks is not None and seq.block_table:
-            self.blocks.free(seq.block_table)
+            self.blocks.free([b for b in seq.block_table if b != self.released_block])
         seq.block_table = []
 
     def _finish(self, seq: Sequence, reason: str) -> None:

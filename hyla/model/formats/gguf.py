@@ -24,7 +24,7 @@ from hyla.model.formats.hf import hf_config_to_hyla, hf_state_to_hyla, hyla_mode
 from hyla.model.formats.hf_tokenizer import hf_tokenizer_from
 
 
-def _reader():
+def _gguf_reader():
     try:
         import gguf  # noqa: F401  (transformers' reader needs it)
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -37,7 +37,7 @@ def _reader():
 def gguf_config(path: str | os.PathLike) -> dict:
     """The transformers config dict of a GGUF file's metadata (``model_type`` included)."""
     path = _check(path)
-    reader = _reader()
+    reader = _gguf_reader()
     try:
         meta = reader(str(path), return_tensors=False)
     except Exception as e:  # gguf raises plain errors for corrupt or unknown files
@@ -60,7 +60,7 @@ def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     with torch.device("meta"):
         skeleton = transformers.AutoModelForCausalLM.from_config(hf_config)
     try:
-        tensors = _reader()(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+        tensors = _gguf_reader()(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
     except Exception as e:  # gguf raises plain errors for corrupt or unknown files
         raise ValueError(f"{path} could not be read as GGUF: {type(e).__name__}: {e}") from e
     weights = {k: torch.as_tensor(v).to(dtype) for k, v in tensors.items()}
