@@ -1,7 +1,9 @@
 """OpenAI-compatible HTTP API over an AsyncEngine (FastAPI).
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent
-events with ``"stream": true``), ``GET /v1/models``, ``GET /health`` (status plus what the
+Routes: ``POST /v1/completions`` (``echo`` with prompt logprobs, batched prompts),
+``POST /v1/chat/completions`` (JSON, or server-sent events with ``"stream": true``),
+``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``
+(vLLM's, :mod:`hyla.serve.api_tokenize`), ``GET /health`` (status plus what the
 engine holds: running and waiting requests, state slots and KV blocks in use) and
 ``GET /metrics`` (Prometheus). With an API key set, every route but ``/health`` needs
 ``Authorization: Bearer KEY`` (401 otherwise). Bodies over ``max_body_bytes`` are a 413;
@@ -40,7 +42,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hyla.serve.api_format import Formatter, Result, render_chat
+from hyla.serve.api_format import Echo, Formatter, Result, render_chat
 from hyla.serve.api_limits import (
     DEFAULT_MAX_BODY_BYTES,
     APIKeyMiddleware,
@@ -48,6 +50,7 @@ from hyla.serve.api_limits import (
     PromptEncoder,
 )
 from hyla.serve.api_schemas import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from hyla.serve.api_tokenize import add_tokenizer_routes
 from hyla.serve.async_engine import AsyncEngine, EngineFailed, QueueFull, RequestFailed
 from hyla.serve.sequence import SamplingParams
 
@@ -84,11 +87,13 @@ def param_of(message: str) -> str | None:
 
 
 def sampling_params(req, n_prompt: int, max_tokens: int | None, logprobs: int | None,
-              max_len: int, extra_stop: tuple[str, ...] = (), prompt_param: str = "prompt"
-              ) -> SamplingParams:
+              max_len: int, extra_stop: tuple[str, ...] = (), prompt_param: str = "prompt",
+              echo: bool = False) -> SamplingParams:
     """Request fields -> SamplingParams; APIError (HTTP 400) naming the field on bad input.
 
-    Shared by this server and the disaggregated router, so both answer alike."""
+    ``echo`` (completions): the prompt's logprobs are asked for when ``logprobs`` is set,
+    and ``max_tokens`` may be 0 (the prompt alone). Shared by this server and the
+    disaggregated router, so both answer alike."""
     if n_prompt == 0:
         raise APIError("The prompt is empty: it must hold at least one token",
                        param=prompt_param)
@@ -98,8 +103,10 @@ def sampling_params(req, n_prompt: int, max_tokens: int | None, logprobs: int | 
                        code="context_length_exceeded")
     if max_tokens is None:
         max_tokens = max_len - n_prompt
-    if max_tokens < 1:
-        raise APIError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+    if max_tokens < (0 if echo else 1):
+        raise APIError(f"max_tokens must be >= {0 if echo else 1}"
+                       f"{'' if echo else ' (0 only with echo)'}, got {max_tokens}",
+                       param="max_tokens")
     if n_prompt + max_tokens > max_len:
         raise APIError(f"This model's maximum context length is {max_len} tokens; you "
                        f"requested {n_prompt + max_tokens} ({n_prompt} in the prompt, "
@@ -111,22 +118,36 @@ def sampling_params(req, n_prompt: int, max_tokens: int | None, logprobs: int | 
             top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else req.top_p,
             seed=req.seed, stop=req.stop_list + extra_stop,
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-            logprobs=logprobs)
+            logprobs=logprobs,
+            # max_tokens 0 needs the engine to treat the request as scoring (k = 0: cheap)
+            prompt_logprobs=(logprobs if logprobs is not None else 0 if max_tokens == 0
+                             else None) if echo else None)
     except ValueError as e:
         raise APIError(str(e), param=param_of(str(e))) from None
 
 
 
-async def prompt_token_ids(req: CompletionRequest, enc: PromptEncoder) -> list[int]:
-    """The token ids of a completion request's prompt: text or ids, one prompt only (text
-    is encoded off the event loop, bounded by the context length)."""
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) > 1:
-            raise APIError(f"Batched prompts are not supported ({len(prompt)} prompts): "
-                           "send one request per prompt", param="prompt")
-        prompt = prompt[0]
-    return await enc.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
+async def prompt_token_ids(req: CompletionRequest, enc: PromptEncoder) -> list[list[int]]:
+    """The token ids of each of a completion request's prompts (text or ids; text is
+    encoded off the event loop, bounded by the context length)."""
+    return [await enc.encode(p, "prompt") if isinstance(p, str) else list(p)
+            for p in req.prompts]
+
+
+def completion_setup(req: CompletionRequest, prompts: list[list[int]], tok, max_len: int,
+                     request_id: str, model_name: str
+                     ) -> tuple[list[SamplingParams], Formatter]:
+    """One SamplingParams per prompt and the Formatter of a completion request (shared
+    with the cluster router)."""
+    params = [sampling_params(req, len(ids), req.max_tokens, req.logprobs, max_len,
+                              echo=req.echo) for ids in prompts]
+    echo = None
+    if req.echo:
+        echo = [Echo(p if isinstance(p, str) else tok.decode(ids), ids)
+                for p, ids in zip(req.prompts, prompts, strict=True)]
+    fmt = Formatter(tok, request_id, model_name, chat=False, logprobs=req.logprobs,
+                    include_usage=wants_usage(req), echo=echo)
+    return params, fmt
 
 
 async def chat_token_ids(req: ChatCompletionRequest, enc: PromptEncoder
@@ -218,6 +239,33 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                 task.cancel()
                 raise _ClientGone
 
+    async def run_batch(request: Request, prompts: list[list[int]],
+                        params: list[SamplingParams], fmt: Formatter):
+        """Several prompts of one request, run together; one choice each."""
+        async def collect(i: int) -> Result:
+            r, gen = Result(), engine.generate(prompts[i], params[i], f"{fmt.id}-{i}")
+            try:
+                async for out in gen:
+                    r.add(out)
+            finally:
+                await gen.aclose()          # aborts it when unfinished
+            return r
+
+        async def all_of():
+            tasks = [asyncio.ensure_future(collect(i)) for i in range(len(prompts))]
+            try:
+                return await asyncio.gather(*tasks)
+            finally:            # one failed or the client left: abort the others
+                for t in tasks:
+                    t.cancel()
+        try:
+            results = await until_disconnect(request, all_of())
+        except _ClientGone:
+            return Response(status_code=499)
+        except (ValueError, RuntimeError) as e:
+            raise engine_error(e) from None
+        return fmt.response(results)
+
     async def run(request: Request, req, ids: list[int], params: SamplingParams,
                   fmt: Formatter):
         gen = engine.generate(ids, params, fmt.id)
@@ -249,11 +297,12 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
         req.check_unsupported()
-        ids = await prompt_token_ids(req, enc)
-        params = sampling_params(req, len(ids), req.max_tokens, req.logprobs, max_len)
-        fmt = Formatter(tok, f"cmpl-{uuid.uuid4().hex}", model_name, chat=False,
-                        logprobs=req.logprobs, include_usage=wants_usage(req))
-        return await run(request, req, ids, params, fmt)
+        prompts = await prompt_token_ids(req, enc)
+        params, fmt = completion_setup(req, prompts, tok, max_len, f"cmpl-{uuid.uuid4().hex}",
+                                       model_name)
+        if len(prompts) > 1:
+            return await run_batch(request, prompts, params, fmt)
+        return await run(request, req, prompts[0], params[0], fmt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -268,6 +317,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         fmt = Formatter(tok, f"chatcmpl-{uuid.uuid4().hex}", model_name, chat=True,
                         logprobs=logprobs, include_usage=wants_usage(req))
         return await run(request, req, ids, params, fmt)
+
+    add_tokenizer_routes(app, tok, max_len)
 
     @app.get("/v1/models")
     async def models():

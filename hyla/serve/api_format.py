@@ -48,8 +48,11 @@ class Result:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    prompt_logprobs: list | None = None
 
     def add(self, out: StepOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.text += out.text
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
@@ -63,20 +66,53 @@ class Result:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+@dataclass
+class Echo:
+    """A completion's prompt, returned before its output (``echo: true``): its text, ids
+    and, with ``logprobs``, the engine's prompt logprobs (None at the first token)."""
+
+    text: str
+    token_ids: list[int]
+
+
 class Formatter:
-    """Builds the bodies and chunks of one request (``chat`` or completion)."""
+    """Builds the bodies and chunks of one request (``chat`` or completion).
+
+    ``echo`` (completions): the prompt of each choice, in the order of the choices; its
+    text leads the choice's text and, with ``logprobs``, its tokens lead the logprobs (the
+    first with ``null``, the others with their log-probability and a ``top_logprobs`` dict
+    holding the prompt token and the most likely ones, as vLLM and OpenAI return them).
+    """
 
     def __init__(self, tokenizer, request_id: str, model: str, chat: bool,
-                 logprobs: int | None, include_usage: bool = False, text_offset: int = 0):
+                 logprobs: int | None, include_usage: bool = False, text_offset: int = 0,
+                 echo: list[Echo] | None = None):
         self.tok, self.id, self.model, self.chat = tokenizer, request_id, model, chat
         self.logprobs, self.include_usage = logprobs, include_usage
         self.created = int(time.time())
-        self.offset = text_offset        # completions' text_offset counts from here
+        self.offset = self._offset0 = text_offset   # completions' text_offset counts from here
+        self.echo = echo
 
     def _token(self, t: int) -> str:
         return self.tok.decode([t])
 
-    def format_logprobs(self, lps: list) -> dict | None:
+    def _prompt_entries(self, echo: Echo, plps: list | None) -> dict:
+        """The completion logprobs of an echoed prompt (advances ``self.offset``)."""
+        tokens, values, tops, offsets = [], [], [], []
+        for i, t in enumerate(echo.token_ids):
+            lp = plps[i] if plps is not None and i < len(plps) else None
+            s = self._token(t)
+            tokens.append(s)
+            offsets.append(self.offset)
+            self.offset += len(s)
+            values.append(None if lp is None else lp.logprob)
+            tops.append(None if lp is None else
+                        {s: lp.logprob} | {self._token(a): v for a, v in lp.top})
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def format_logprobs(self, lps: list, echo: Echo | None = None,
+                        prompt_logprobs: list | None = None) -> dict | None:
         if self.logprobs is None:
             return None
         if self.chat:
@@ -86,14 +122,16 @@ class Formatter:
             return {"content": [entry(x.token, x.logprob)
                                 | {"top_logprobs": [entry(t, v) for t, v in x.top]}
                                 for x in lps], "refusal": None}
+        head = self._prompt_entries(echo, prompt_logprobs) if echo is not None else None
         tokens = [self._token(x.token) for x in lps]
         offsets = []
         for s in tokens:
             offsets.append(self.offset)
             self.offset += len(s)
-        return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
+        body = {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
                 "top_logprobs": [{self._token(t): v for t, v in x.top} for x in lps],
                 "text_offset": offsets}
+        return body if head is None else {k: head[k] + body[k] for k in body}
 
     def _envelope(self, choices: list, chunk: bool) -> dict:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat \
@@ -104,16 +142,26 @@ class Formatter:
             body["system_fingerprint"] = None
         return body
 
-    def response(self, r: Result) -> dict:
-        """The non-streaming body."""
-        choice: dict = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": r.text}
-        else:
-            choice["text"] = r.text
-        choice["logprobs"] = self.format_logprobs(r.logprobs)
-        choice["finish_reason"] = r.finish_reason
-        return self._envelope([choice], chunk=False) | {"usage": r.usage()}
+    def response(self, r: Result | list[Result]) -> dict:
+        """The non-streaming body: one choice per Result (a batch of completion prompts),
+        the usage summed over them."""
+        results = r if isinstance(r, list) else [r]
+        choices = []
+        for i, res in enumerate(results):
+            choice: dict = {"index": i}
+            echo = self.echo[i] if self.echo else None
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": res.text}
+            else:
+                choice["text"] = (echo.text if echo else "") + res.text
+            self.offset = self._offset0
+            choice["logprobs"] = self.format_logprobs(res.logprobs, echo, res.prompt_logprobs)
+            choice["finish_reason"] = res.finish_reason
+            choices.append(choice)
+        p = sum(x.num_prompt_tokens for x in results)
+        c = sum(x.num_output_tokens for x in results)
+        return self._envelope(choices, chunk=False) | {"usage": {
+            "prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}}
 
     def _chunk(self, payload: dict, lps: list | None, finish: str | None) -> str:
         choice = {"index": 0} | payload
@@ -132,6 +180,13 @@ class Formatter:
         r = Result()
         if self.chat:
             yield self._chunk({"delta": {"role": "assistant", "content": ""}}, None, None)
+        elif self.echo:                         # the prompt first, as vLLM streams it
+            echo = self.echo[0]
+            lps = (self.format_logprobs([], echo, first.prompt_logprobs)
+                   if self.logprobs is not None else None)
+            yield self._event(self._envelope([{"index": 0, "text": echo.text,
+                                               "logprobs": lps, "finish_reason": None}],
+                                              chunk=True))
         out: StepOutput | None = first
         while out is not None:
             r.add(out)

@@ -2,7 +2,7 @@
 
 Types are strict, as OpenAI's are: ``"max_tokens": "5"`` is a 400, not a 5. Fields OpenAI
 defines that hyla does not implement are accepted only at their neutral value (``n`` 1,
-penalties 0, no ``logit_bias``, no ``suffix``, ``echo`` false) and are a 400 otherwise;
+penalties 0, no ``logit_bias``, no ``suffix``) and are a 400 otherwise;
 unknown fields are ignored. ``top_k``, ``ignore_eos`` and ``stop_token_ids`` are
 extensions (vLLM's names); the ``openai`` client sends them through ``extra_body``.
 """
@@ -86,9 +86,14 @@ class _Sampling(_Strict):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+MAX_BATCH_PROMPTS = 256      # prompts one completion request may carry
+
+
 class CompletionRequest(_Sampling):
-    """``POST /v1/completions``. ``prompt``: text, token ids, or a one-element list of
-    either (a longer list is a batch: 400)."""
+    """``POST /v1/completions``. ``prompt``: text, token ids, or a list of either (a batch:
+    one choice per prompt, in order; not with ``stream``). ``echo``: the prompt leads the
+    choice's text and, with ``logprobs``, its tokens' log-probabilities lead the logprobs;
+    ``max_tokens: 0`` (only with ``echo``) scores the prompt alone."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
@@ -99,8 +104,6 @@ class CompletionRequest(_Sampling):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise APIError("echo is not supported", param="echo")
         if self.suffix:
             raise APIError("suffix is not supported", param="suffix")
         if self.best_of not in (None, 1):
@@ -108,6 +111,21 @@ class CompletionRequest(_Sampling):
         if self.logprobs is not None and not 0 <= self.logprobs <= 5:
             raise APIError(f"logprobs must be between 0 and 5, got {self.logprobs}",
                            param="logprobs")
+        n = len(self.prompts)
+        if n > MAX_BATCH_PROMPTS:
+            raise APIError(f"at most {MAX_BATCH_PROMPTS} prompts a request, got {n}",
+                           param="prompt")
+        if n > 1 and self.stream:
+            raise APIError(f"stream is not supported with several prompts ({n}): send one "
+                           "request per prompt", param="stream")
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one, or the batch's (each text or token ids)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            return list(p)
+        return [p]
 
 
 class TextPart(_Strict):

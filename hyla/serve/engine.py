@@ -60,6 +60,9 @@ class StepOutput:
     num_output_tokens: int = 0
     error: str | None = None        # this request failed (and was aborted); the others go on
     state: object | None = None     # a prefill-only request's SequenceState after its prompt
+    # with SamplingParams.prompt_logprobs, on the request's first output: one entry per
+    # prompt token, None for the first (nothing precedes it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Engine:
@@ -108,6 +111,7 @@ class Engine:
         self._text: dict[str, IncrementalText] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._prefill_only: dict[str, SamplingParams] = {}    # rid -> the caller's params
+        self._prompt_lps: dict[str, list[TokenLogprob | None]] = {}   # scored so far
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                       "decode_steps": 0, "decode_time_s": 0.0, "prefill_time_s": 0.0,
                       "step_time_s": 0.0}
@@ -147,6 +151,8 @@ class Engine:
             self._prefill_only[rid] = params
         self.scheduler.add(seq)
         self._seqs[rid] = seq
+        if params.prompt_logprobs is not None:
+            self._prompt_lps[rid] = [None]
         if self.tokenizer is not None and not prefill_only:
             self._text[rid] = IncrementalText(self.tokenizer, params.stop)
         if params.seed is not None and not params.greedy:
@@ -292,7 +298,12 @@ class Engine:
                     r.reset_slot(c.seq.slot)
             chunks = [(c.seq.slot, c.seq.all_token_ids[c.start:c.end], c.start,
                        c.seq.block_table) for c in out.prefills]
-            logits = r.prefill(chunks)
+            score = [self._score_request(c) for c in out.prefills]
+            if any(x is not None for x in score):
+                logits, scored = r.prefill_scored(chunks, score)
+                self._keep_scores(out.prefills, score, scored)
+            else:
+                logits = r.prefill(chunks)
             keep = [i for i, c in enumerate(out.prefills) if c.samples]
             parts.append(logits[keep])
             seqs += [out.prefills[i].seq for i in keep]
@@ -300,8 +311,37 @@ class Engine:
             self.stats["prefill_time_s"] += time.perf_counter() - t0
         return torch.cat(parts) if parts else torch.empty(0), seqs
 
+    def _score_request(self, c) -> tuple[list[int], int] | None:
+        """(the prompt tokens chunk ``c``'s rows predict, top-k) when its request asks
+        for prompt logprobs and they are not out yet; None otherwise."""
+        seq = c.seq
+        if seq.request_id not in self._prompt_lps:
+            return None
+        if c.start == 0:                    # first chunk, or recomputed after preemption
+            self._prompt_lps[seq.request_id] = [None]
+        n = seq.num_prompt_tokens
+        targets = seq.prompt_ids[c.start + 1:min(c.end, n - 1) + 1]
+        return (targets, seq.params.prompt_logprobs) if targets else None
+
+    def _keep_scores(self, chunks, score, scored) -> None:
+        for c, sc, rows in zip(chunks, score, scored, strict=True):
+            if rows is None:
+                continue
+            ids, lps = sc[0], rows.logprobs.tolist()
+            tops = zip(rows.top_ids.tolist(), rows.top_logprobs.tolist(), strict=True)
+            self._prompt_lps[c.seq.request_id] += [
+                TokenLogprob(t, lp, list(zip(ti, tv, strict=True)))
+                for t, lp, (ti, tv) in zip(ids, lps, tops, strict=True)]
+
     def _emit(self, seq: Sequence, token: int, lp: TokenLogprob | None,
               finished: bool) -> StepOutput:
+        prompt_lps = self._prompt_lps.pop(seq.request_id, None)
+        if seq.params.max_tokens == 0:      # the prompt scored alone: the token is dropped
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "length")
+            self._forget(seq.request_id)
+            return StepOutput(seq.request_id, [], "", True, "length", [],
+                              seq.num_prompt_tokens, 0, prompt_logprobs=prompt_lps)
         text = self._text.get(seq.request_id)
         stop_token = finished and seq.finish_reason == "stop"   # EOS / stop id: no text
         delta = text.add(seq.output_ids, hide_last=stop_token) if text is not None else ""
@@ -314,7 +354,7 @@ class Engine:
             self._forget(seq.request_id)
         return StepOutput(seq.request_id, [token], delta, finished, seq.finish_reason,
                           [lp] if lp is not None else [], seq.num_prompt_tokens,
-                          len(seq.output_ids))
+                          len(seq.output_ids), prompt_logprobs=prompt_lps)
 
     def _fail(self, seq: Sequence, token: int | None, err: Exception) -> StepOutput:
         """End a request whose output could not be produced (its tokens could not be
@@ -357,6 +397,7 @@ class Engine:
 
     def _forget(self, request_id: str) -> None:
         self._prefill_only.pop(request_id, None)
+        self._prompt_lps.pop(request_id, None)
         self._seqs.pop(request_id, None)
         self._text.pop(request_id, None)
         self._generators.pop(request_id, None)

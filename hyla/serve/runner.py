@@ -15,6 +15,7 @@ built.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +24,16 @@ from hyla.model import Context, HylaLM, SequenceState
 
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass
+class ScoredRows:
+    """Prompt-token scores of one chunk (:meth:`Runner.prefill_scored`): ``logprobs``
+    [rows] of the tokens that follow each row, ``top_ids``/``top_logprobs`` [rows, k]."""
+
+    logprobs: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
 
 
 class Runner:
@@ -144,6 +155,67 @@ class Runner:
                               block_size=self.block_size, pad_block=self.pad_block,
                               device=self.device)
         return self.model(ids[None], ctx)[0].float()
+
+    @torch.no_grad()
+    def prefill_scored(self, chunks: list[tuple[int, list[int], int, list[int]]],
+                       score: list[tuple[list[int], int] | None], *, rows_at_once: int = 256
+                       ) -> tuple[torch.Tensor, list[ScoredRows | None]]:
+        """:meth:`prefill`, also scoring prompt tokens: ``score[j] = (targets, k)`` asks for
+        the log-probability of ``targets[i]`` at row i of chunk j (the token that follows
+        it) and the k most likely tokens there (k = 0: none). The head runs on
+        ``rows_at_once`` rows at a time, so no ``[tokens, vocab]`` matrix is ever held.
+
+        Returns (logits [len(chunks), vocab] at each chunk's last token, one
+        :class:`ScoredRows` or None per chunk).
+
+        Example:
+            >>> from hyla.model import HylaLM, preset
+            >>> r = Runner(HylaLM(preset("debug")).eval(), max_num_seqs=1, num_kv_blocks=4)
+            >>> last, (s,) = r.prefill_scored([(0, [1, 2, 3], 0, [0])], [([2, 3], 1)])
+            >>> last.shape, s.logprobs.shape, s.top_ids.shape
+            (torch.Size([1, 256]), torch.Size([2]), torch.Size([2, 1]))
+        """
+        ids = torch.tensor([t for c in chunks for t in c[1]], device=self.device)
+        ctx = Context.prefill([c[2] for c in chunks], [len(c[1]) for c in chunks],
+                              [c[0] for c in chunks], [c[3] for c in chunks], self.buffers,
+                              block_size=self.block_size, pad_block=self.pad_block,
+                              device=self.device, last_logits=False)
+        starts = [0]
+        for c in chunks:
+            starts.append(starts[-1] + len(c[1]))
+        last = [s - 1 for s in starts[1:]]
+        wanted = set(last)
+        for j, sc in enumerate(score):
+            if sc is not None:
+                if len(sc[0]) > len(chunks[j][1]):
+                    raise ValueError(f"chunk {j}: {len(sc[0])} targets for "
+                                     f"{len(chunks[j][1])} tokens")
+                wanted.update(range(starts[j], starts[j] + len(sc[0])))
+        rows = sorted(wanted)
+        index = {r: i for i, r in enumerate(rows)}
+        ctx.logits_at = torch.tensor(rows, device=self.device)
+        hidden = self.model(ids[None], ctx, hidden=True)[0]          # [rows, d_model]
+        head = self.model.lm_head
+        logits = head(hidden[[index[r] for r in last]]).float()
+        out: list[ScoredRows | None] = []
+        for j, sc in enumerate(score):
+            if sc is None:
+                out.append(None)
+                continue
+            targets, k = sc
+            at = torch.tensor([index[starts[j] + i] for i in range(len(targets))],
+                              device=self.device, dtype=torch.long)
+            tgt = torch.tensor(targets, device=self.device, dtype=torch.long)
+            lps, top_v, top_i = [], [], []
+            for a in range(0, len(targets), rows_at_once):
+                lp = torch.log_softmax(head(hidden[at[a:a + rows_at_once]]).float(), dim=-1)
+                lps.append(lp.gather(1, tgt[a:a + rows_at_once, None])[:, 0])
+                top = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+                top_v.append(top.values)
+                top_i.append(top.indices)
+            out.append(ScoredRows(torch.cat(lps).cpu(), torch.cat(top_i).cpu(),
+                                  torch.cat(top_v).cpu()))
+        return logits, out
 
     @torch.no_grad()
     def decode(self, slots: list[int], tokens: list[int], positions: list[int],

@@ -25,7 +25,9 @@ class SamplingParams:
     off. ``stop`` strings end the text (the engine checks them on the decoded text);
     ``stop_token_ids`` (and the tokenizer's EOS unless ``ignore_eos``) end on a token.
     ``logprobs``: also return the log-probability of each chosen token and of the
-    ``logprobs`` most likely alternatives (0 = only the chosen one).
+    ``logprobs`` most likely alternatives (0 = only the chosen one). ``prompt_logprobs``:
+    the same for every prompt token after the first (vLLM's field; computed in prefill,
+    chunk by chunk); with it ``max_tokens`` may be 0 (score the prompt alone).
 
     Example:
         >>> SamplingParams(max_tokens=8, temperature=0).greedy
@@ -41,13 +43,19 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Every field is checked for type, finiteness and range here, so that nothing a
         # client sends can reach the sampler as NaN, inf or an out-of-range value: a bad
         # value is a ValueError naming the field (HTTP 400), never an engine failure.
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be between 0 and 20, got "
+                             f"{self.prompt_logprobs!r}")
+        least = 0 if self.prompt_logprobs is not None else 1    # 0: score the prompt alone
+        if not _is_int(self.max_tokens) or self.max_tokens < least:
+            raise ValueError(f"max_tokens must be an int >= {least}, got {self.max_tokens!r}")
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) \
                 or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got "

@@ -127,6 +127,27 @@ def test_openai_client_through_the_router(cluster):
     assert counts["remote_ok"] >= 3 and counts["local"] >= 1 and counts["failed"] == 0
 
 
+def test_prompt_logprobs_and_batches_through_the_router(cluster):
+    """lm-evaluation-harness's log-likelihood request (echo, logprobs, max_tokens 0 or 1,
+    a batch of token-id prompts) through the router: the prompt logprobs a decode worker
+    computes on its own, even for a prompt long enough to go remote otherwise."""
+    w = [w for w in _workers(cluster, "decode") if w["healthy"]][0]
+    long_ids = list(range(60, 160))                 # over the threshold (32)
+    for max_tokens in (0, 1):
+        body = {"prompt": [long_ids, [5, 6, 7]], "max_tokens": max_tokens, "logprobs": 1,
+                "echo": True, "temperature": 0}
+        via = httpx.post(f"{cluster}/v1/completions", json=body, timeout=60).json()
+        direct = httpx.post(f"{w['address']}/v1/completions", json=body, timeout=60).json()
+        for a, b in zip(via["choices"], direct["choices"], strict=True):
+            la, lb = a["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"]
+            assert la[0] is None and len(la) == len(lb)
+            assert max(abs(x - y) for x, y in zip(la[1:], lb[1:], strict=True)) < 1e-5
+            assert a["text"] == b["text"]
+        assert via["usage"] == direct["usage"]
+    assert httpx.post(f"{cluster}/tokenize", json={"prompt": "hi"}).json()["tokens"] == [104,
+                                                                                         105]
+
+
 @pytest.mark.parametrize("fault,reason", [
     ({"corrupt": True}, "checksum"),
     ({"fingerprint": "0000000000000000"}, "fingerprint"),

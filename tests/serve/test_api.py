@@ -190,7 +190,7 @@ def test_64_concurrent_requests(server, client):
     ("completions", {"prompt": []}, "prompt"),
     ("completions", {"prompt": "x" * 600}, "prompt"),
     ("completions", {"prompt": [1, 256]}, "prompt"),
-    ("completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("completions", {"prompt": ["a", "b"], "stream": True}, "stream"),
     ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("completions", {"prompt": "x", "max_tokens": -3}, "max_tokens"),
     ("completions", {"prompt": "x", "max_tokens": 600}, "max_tokens"),

@@ -60,10 +60,10 @@ def test_stop_string_cuts_the_text(client):
 
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "logprobs": 9}, "logprobs"),
     ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"prompt": [[1, 2], [3]]}, "prompt"),
+    ({"prompt": [[1, 2], [3]], "stream": True}, "stream"),
 ])
 def test_unsupported_fields_are_400(client, body, param):
     r = client.post("/v1/completions", json=body)

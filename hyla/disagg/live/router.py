@@ -125,11 +125,17 @@ class LiveRouterConfig:
     prefix_capacity: int = 16
 
 
+def _lp(x: dict | None) -> TokenLogprob | None:
+    return None if x is None else TokenLogprob(x["token"], x["logprob"],
+                                               [tuple(t) for t in x["top"]])
+
+
 def _out(d: dict, rid: str) -> StepOutput:
-    lps = [TokenLogprob(x["token"], x["logprob"], [tuple(t) for t in x["top"]])
-           for x in d.get("logprobs") or []]
+    lps = [_lp(x) for x in d.get("logprobs") or []]
+    plps = d.get("prompt_logprobs")
     return StepOutput(rid, d["token_ids"], d["text"], d["finished"], d["finish_reason"], lps,
-                      d["num_prompt_tokens"], d["num_output_tokens"])
+                      d["num_prompt_tokens"], d["num_output_tokens"],
+                      prompt_logprobs=None if plps is None else [_lp(x) for x in plps])
 
 
 class LiveRouter:
@@ -273,6 +279,8 @@ class LiveRouter:
         :class:`WorkerFailed` (with ``sent`` > 0) when a decode worker dies mid-stream.
         """
         target, chain, cached_on = self.plan(ids)
+        if params.prompt_logprobs is not None:
+            target = LOCAL          # prompt logprobs come from a PD worker's prefill
         if target == "remote":
             # forced remote (a baseline) queues at the prefill pool instead of falling back
             cap = None if self.cfg.force == "remote" else self.cfg.max_remote_inflight

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from hyla.disagg.live.router import LiveRouter, WorkerFailed
 from hyla.serve.api import (
     chat_token_ids,
+    completion_setup,
     prompt_token_ids,
     sampling_params,
     validation_error,
@@ -32,6 +33,7 @@ from hyla.serve.api_limits import (
     PromptEncoder,
 )
 from hyla.serve.api_schemas import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from hyla.serve.api_tokenize import add_tokenizer_routes
 
 
 def _error_event(msg: str) -> str:
@@ -57,6 +59,10 @@ async def until_disconnect(request: Request, awaitable):
     except asyncio.CancelledError:
         task.cancel()
         raise
+
+
+def params_is_list(params) -> bool:
+    return isinstance(params, list)
 
 
 def create_router_app(router: LiveRouter, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -103,15 +109,19 @@ def create_router_app(router: LiveRouter, max_body_bytes: int = DEFAULT_MAX_BODY
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
 
-        async def collect():
+        # a batch of completion prompts: one run each, one choice each
+        batch = ids if params_is_list(params) else [ids]
+        plist = params if params_is_list(params) else [params]
+
+        async def collect(ids, params, rid) -> Result:
             errors = []
             for _ in range(3):        # a decode worker lost mid-request: run it again
                 r = Result()
-                gen = router.generate(ids, params, fmt.id)
+                gen = router.generate(ids, params, rid)
                 try:
                     async for out in gen:
                         r.add(out)
-                    return fmt.response(r)
+                    return r
                 except WorkerFailed as e:
                     errors.append(str(e))
                     router.counts["decode_retries"] += 1
@@ -120,8 +130,19 @@ def create_router_app(router: LiveRouter, max_body_bytes: int = DEFAULT_MAX_BODY
             router.counts["failed"] += 1
             raise APIError("The request failed on every path: " + "; ".join(errors),
                            status=503, type="server_error")
+
+        async def collect_all():
+            tasks = [asyncio.ensure_future(collect(x, p, fmt.id if len(batch) == 1
+                                                   else f"{fmt.id}-{i}"))
+                     for i, (x, p) in enumerate(zip(batch, plist, strict=True))]
+            try:
+                results = await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    t.cancel()
+            return fmt.response(results if len(results) > 1 else results[0])
         try:
-            return await until_disconnect(request, collect())
+            return await until_disconnect(request, collect_all())
         except _ClientGone:
             router.counts["abandoned"] = router.counts.get("abandoned", 0) + 1
             return Response(status_code=499)
@@ -144,11 +165,12 @@ def create_router_app(router: LiveRouter, max_body_bytes: int = DEFAULT_MAX_BODY
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
         req.check_unsupported()
-        ids = await prompt_token_ids(req, enc)
-        params = sampling_params(req, len(ids), req.max_tokens, req.logprobs, cfg.max_model_len)
-        fmt = Formatter(tok, f"cmpl-{uuid.uuid4().hex}", cfg.model_name, chat=False,
-                        logprobs=req.logprobs, include_usage=wants_usage(req))
-        return await run(request, req, ids, params, fmt)
+        prompts = await prompt_token_ids(req, enc)
+        params, fmt = completion_setup(req, prompts, tok, cfg.max_model_len,
+                                       f"cmpl-{uuid.uuid4().hex}", cfg.model_name)
+        if len(prompts) > 1:
+            return await run(request, req, prompts, params, fmt)
+        return await run(request, req, prompts[0], params[0], fmt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -163,6 +185,8 @@ def create_router_app(router: LiveRouter, max_body_bytes: int = DEFAULT_MAX_BODY
         fmt = Formatter(tok, f"chatcmpl-{uuid.uuid4().hex}", cfg.model_name, chat=True,
                         logprobs=logprobs, include_usage=wants_usage(req))
         return await run(request, req, ids, params, fmt)
+
+    add_tokenizer_routes(app, tok, cfg.max_model_len)
 
     @app.get("/v1/models")
     async def models():

@@ -82,11 +82,14 @@ def add_decode_routes(app: FastAPI, engine: AsyncEngine, receiver: StateReceiver
                         and o.finish_reason != "stop" and tok is not None:
                     text = tok.decode([first])      # the shipped token ended it: its text
                 n += 1
+                plps = None if o.prompt_logprobs is None else [
+                    logprob_to_dict(x) for x in o.prompt_logprobs]
                 yield _line(token_ids=o.token_ids, text=text, finished=o.finished,
                             finish_reason=o.finish_reason,
                             logprobs=[logprob_to_dict(x) for x in o.logprobs],
                             num_prompt_tokens=o.num_prompt_tokens,
-                            num_output_tokens=o.num_output_tokens)
+                            num_output_tokens=o.num_output_tokens,
+                            prompt_logprobs=plps)
                 if faults.get("stream_delay_s"):
                     await asyncio.sleep(faults["stream_delay_s"])
             load["served"] += 1
