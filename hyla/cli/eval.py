@@ -4,6 +4,7 @@ Example:
     $ hyla eval recall --preset quick --out benchmarks/results/recall_quick
     $ hyla eval needle --checkpoint runs/quickstart --context 1K,4K
     $ hyla eval ppl --checkpoint runs/quickstart --json
+    $ hyla eval harness --checkpoint model.gguf --tasks my_task --include-path tasks/
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from hyla.cli.common import SOURCE_HELP, Parser, positive, torch_threads
 
 def add_eval(sub) -> argparse.ArgumentParser:
     """Register ``hyla eval recall|needle|ppl`` on the ``hyla`` sub-parser set."""
-    group = sub.add_parser("eval", help="evaluations: recall (MQAR), needle, perplexity")
+    group = sub.add_parser("eval", help="evaluations: recall (MQAR), needle, perplexity, "
+                                        "lm-evaluation-harness")
     evals = group.add_subparsers(dest="eval_command", required=True, parser_class=Parser)
     p = evals.add_parser("recall", help="train GLA / hybrid / attention models on MQAR, "
                                         "plot accuracy vs load and vs state bytes")
@@ -48,10 +50,25 @@ def add_eval(sub) -> argparse.ArgumentParser:
     p = evals.add_parser("ppl", help="validation perplexity of a checkpoint")
     p.add_argument("--checkpoint", required=True, help=SOURCE_HELP)
     p.add_argument("--data", default=None, help="text source (default: stdlib validation split)")
-    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--seq-len", "--window", dest="seq_len", type=int, default=512,
+                   help="window length: tokens are scored in non-overlapping windows")
     p.add_argument("--max-tokens", type=int, default=65536)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ppl)
+
+    p = evals.add_parser("harness", help="EleutherAI lm-evaluation-harness tasks, in process "
+                                         "(needs the eval extra: pip install 'hyla[eval]')")
+    p.add_argument("--checkpoint", required=True, help=SOURCE_HELP)
+    p.add_argument("--tasks", required=True, help="comma-separated task names")
+    p.add_argument("--include-path", default=None,
+                   help="folder of task YAML files (local tasks, local data)")
+    p.add_argument("--limit", type=float, default=None,
+                   help="documents per task (a fraction if < 1)")
+    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--batch-size", type=positive, default=8)
+    p.add_argument("--out", default=None, help="folder for lm-eval's results.json")
+    p.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
+    p.set_defaults(func=cmd_harness)
     return group
 
 
@@ -129,7 +146,36 @@ def cmd_ppl(args: argparse.Namespace, out: Console) -> int:
     if args.json:
         print(json.dumps(r))
     else:
-        out.print(f"perplexity [bold]{r['perplexity']:.2f}[/] (loss {r['loss']:.4f} nats/token) "
-                  f"over {r['tokens']:,} predicted tokens in {r['windows']} windows of "
-                  f"{r['seq_len']}")
+        table = Table(title=f"perplexity of {args.checkpoint}")
+        for col in ("perplexity", "loss (nats/token)", "tokens scored", "windows", "window"):
+            table.add_column(col, justify="right")
+        table.add_row(f"{r['perplexity']:.2f}", f"{r['loss']:.4f}", f"{r['tokens']:,}",
+                      str(r["windows"]), str(r["seq_len"]))
+        out.print(table)
+    return 0
+
+
+def cmd_harness(args: argparse.Namespace, out: Console) -> int:
+    try:
+        from hyla.eval.harness import run_harness
+    except ImportError as e:
+        raise ValueError(str(e)) from None
+    from lm_eval.utils import make_table
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    limit = args.limit
+    if limit is not None and limit >= 1:
+        limit = int(limit)
+    with torch_threads(args.threads):
+        try:
+            results = run_harness(args.checkpoint, tasks, include_path=args.include_path,
+                                  limit=limit, batch_size=args.batch_size,
+                                  num_fewshot=args.num_fewshot, out=args.out)
+        except (RuntimeError, FileNotFoundError) as e:  # no network, a missing data file
+            raise ValueError(f"{e} (a task's data_files are relative to the current "
+                             "directory)" if isinstance(e, FileNotFoundError) else str(e)
+                             ) from None
+    print(make_table(results))
+    if args.out:
+        out.print(f"wrote {pathlib.Path(args.out) / 'results.json'}")
     return 0
