@@ -70,6 +70,7 @@ class Worker:
     inflight: int = 0
     last_ok: float = 0.0
     queued_tokens: int = 0          # not tracked per worker: the policy picks by inflight
+    slow_polls: int = 0             # health polls in a row that timed out
 
     @property
     def name(self) -> str:
@@ -83,6 +84,8 @@ class Worker:
                 "transfer_address": i.get("transfer_address"),
                 "queue_s": i.get("queue_s"), "fingerprint": i.get("fingerprint")}
 
+
+SLOW_POLLS_DOWN = 3                 # timed-out health polls in a row before a worker is down
 
 # Queues closer than this count as balanced: the policy's datacenter default is 1 s, but a
 # small cluster's prefills take tens of milliseconds.
@@ -177,8 +180,16 @@ class LiveRouter:
                                      f": {info.get('error', '')}"[:300])
                 w.info, w.healthy, w.error = info, True, None
                 w.last_ok = time.monotonic()
+            except httpx.TimeoutException as e:
+                # A busy worker on a loaded machine can be slow to answer: down after
+                # several slow polls in a row (a refused connection or a 503 counts at once).
+                w.slow_polls += 1
+                if w.slow_polls >= SLOW_POLLS_DOWN:
+                    w.healthy, w.error = False, f"{type(e).__name__}: {e}"
+                return
             except (httpx.HTTPError, ValueError) as e:
                 w.healthy, w.error = False, f"{type(e).__name__}: {e}"
+            w.slow_polls = 0
         await asyncio.gather(*(one(w) for w in self.prefill + self.decode))
         await self._register_decoders()
         up = [w for w in self.prefill if w.healthy]
