@@ -200,6 +200,10 @@ def test_recurrent_in_place_and_decode_step():
                                                  output_final_state=True)
     s1 = state.clone()
     o, s = recurrent_gated_delta(q, k, v, g, beta, initial_state=s1, output_final_state=True)
+    assert s.data_ptr() != s1.data_ptr() and torch.equal(s1, state)   # in place only if asked
+    torch.testing.assert_close(s, want_s)
+    o, s = recurrent_gated_delta(q, k, v, gk=g, beta=beta, initial_state=s1,
+                                 output_final_state=True, inplace=True)
     assert s.data_ptr() == s1.data_ptr()
     torch.testing.assert_close(s1, want_s)
     torch.testing.assert_close(o, want_o)

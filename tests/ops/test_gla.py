@@ -125,13 +125,41 @@ def test_extreme_gates_stay_finite():
 
 
 def test_recurrent_advances_state_in_place():
+    """In place only when asked (inplace=True, as the serving runner does); by default the
+    caller's initial_state is left as it was, as flash-linear-attention leaves it."""
     q, k, v, g, h0 = (x.detach() for x in make_inputs(3, 1, 2, 8, 8, torch.float32, "mild"))
+    o_ref, ht_ref = naive_recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True)
     state = h0.clone()
     o, ht = recurrent_gla(q, k, v, g, initial_state=state, output_final_state=True)
-    o_ref, ht_ref = naive_recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True)
+    assert ht.data_ptr() != state.data_ptr() and torch.equal(state, h0)
+    torch.testing.assert_close(ht, ht_ref)
+    o, ht = recurrent_gla(q, k, v, g, initial_state=state, output_final_state=True, inplace=True)
     assert ht.data_ptr() == state.data_ptr()
     torch.testing.assert_close(state, ht_ref)
     torch.testing.assert_close(o, o_ref)
+
+
+@pytest.mark.parametrize("fn", [chunk_gla, naive_recurrent_gla, recurrent_gla],
+                         ids=["chunk", "naive", "recurrent"])
+def test_fla_keyword_and_inplace_contract(fn):
+    """gk= (fla's name) gives what g= gives; inplace=True writes the final state into
+    initial_state (any state dtype); it refuses a missing state and a gradient."""
+    q, k, v, g, h0 = (x.detach() for x in make_inputs(2, 37, 2, 8, 8, torch.float32, "mild"))
+    o_g, ht_g = fn(q, k, v, g, initial_state=h0, output_final_state=True)
+    o_k, ht_k = fn(q, k, v, gk=g, initial_state=h0, output_final_state=True)
+    assert torch.equal(o_g, o_k) and torch.equal(ht_g, ht_k)
+    for dtype in (torch.float32, torch.float64):
+        state = h0.clone().to(dtype)
+        o, ht = fn(q, k, v, gk=g, initial_state=state, inplace=True)
+        assert ht is None
+        torch.testing.assert_close(o, o_g)
+        torch.testing.assert_close(state, ht_g.to(dtype))
+    with pytest.raises(ValueError, match="not both"):
+        fn(q, k, v, g, gk=g)
+    with pytest.raises(ValueError, match="initial_state"):
+        fn(q, k, v, g, inplace=True)
+    with pytest.raises(ValueError, match="requires grad"):
+        fn(q.requires_grad_(), k, v, g, initial_state=h0.clone(), inplace=True)
 
 
 @pytest.mark.parametrize("fn", [chunk_gla, naive_recurrent_gla, recurrent_gla],

@@ -77,6 +77,21 @@ def pop_aliases(kwargs: dict, use_qk_l2norm: bool) -> bool:
     return use
 
 
+def resolve_decay(g, gk):
+    """The log decay, as ``g`` ([B, T, H] or [B, T, H, K]) or as flash-linear-attention's
+    per-key-channel ``gk`` ([B, T, H, K])."""
+    if gk is None:
+        if g is None:
+            raise ValueError("g (the log decay, [B, T, H] or [B, T, H, K]; gk= for a decay a "
+                             "key channel) is required")
+        return g
+    if g is not None:
+        raise ValueError("pass the log decay once, as g or as gk, not both")
+    if not isinstance(gk, torch.Tensor) or gk.dim() != 4:
+        raise ValueError(f"gk is a decay per key channel, [B, T, H, K], got {_shape(gk)}")
+    return gk
+
+
 def seq_offsets(B: int, T: int, cu_seqlens) -> list[tuple[int, int, int]]:
     """(batch row, start, end) of every sequence, in state order."""
     if cu_seqlens is None:

@@ -34,7 +34,14 @@ from __future__ import annotations
 
 import torch
 
-from hyla.ops.deltanet.checks import check_delta_inputs, l2norm, pop_aliases, state_dtype
+from hyla.ops.deltanet.checks import (
+    check_delta_inputs,
+    l2norm,
+    pop_aliases,
+    resolve_decay,
+    state_dtype,
+)
+from hyla.ops.gla.checks import check_inplace, write_back
 from hyla.ops.gla.layout import ChunkLayout
 from hyla.ops.gla.scores import intra_scores
 
@@ -42,9 +49,9 @@ CHUNK_SIZES = (16, 32, 64, 128)
 _BASE = 8  # below this size the block inverse is the exact product formula
 
 
-def chunk_gated_delta(q, k, v, g, beta, scale=None, initial_state=None,
+def chunk_gated_delta(q, k, v, g=None, beta=None, scale=None, initial_state=None,
                       output_final_state=False, cu_seqlens=None, use_qk_l2norm=False,
-                      chunk_size=64, **kwargs):
+                      chunk_size=64, *, gk=None, inplace=False, **kwargs):
     """Chunked gated delta rule: the result of :func:`naive_recurrent_gated_delta`, in
     parallel over chunks.
 
@@ -57,6 +64,8 @@ def chunk_gated_delta(q, k, v, g, beta, scale=None, initial_state=None,
         output_final_state: also return the [N, H, K, V] float32 state after the last token.
         cu_seqlens: optional int [N + 1] offsets of packed sequences (B must be 1); the state
             resets at every boundary.
+        gk: flash-linear-attention's name for a decay a key channel; inplace: write the
+            final state into ``initial_state`` (see :func:`hyla.ops.gla.chunk_gla`).
         use_qk_l2norm: L2-normalise q and k over K first (fla: ``use_qk_l2norm_in_kernel``).
         chunk_size: 16, 32, 64 or 128.
     Returns:
@@ -76,7 +85,9 @@ def chunk_gated_delta(q, k, v, g, beta, scale=None, initial_state=None,
         (True, True)
     """
     use_qk_l2norm = pop_aliases(kwargs, use_qk_l2norm)
+    g = resolve_decay(g, gk)
     N, scale = check_delta_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    check_inplace(inplace, initial_state, q, k, v, g, beta)
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size}")
     B, T, H, K = q.shape
@@ -86,6 +97,7 @@ def chunk_gated_delta(q, k, v, g, beta, scale=None, initial_state=None,
     s0 = (initial_state.to(dt) if initial_state is not None
           else q.new_zeros(N, H, K, V, dtype=dt))
     if layout.num_chunks == 0:
+        s0 = write_back(initial_state, s0, inplace)
         return q.new_zeros(B, T, H, V), (s0 if output_final_state else None)
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
@@ -97,6 +109,7 @@ def chunk_gated_delta(q, k, v, g, beta, scale=None, initial_state=None,
     P, w, u, decay, k_dec, q_dec = intra_chunk(qc * scale, kc, vc, gc, bc)
     starts, corrected, final = _scan(layout, w, u, decay, k_dec, s0)
     o = torch.matmul(q_dec, starts) + torch.matmul(P, corrected)
+    final = write_back(initial_state, final, inplace)
     return layout.from_chunks(o).to(q.dtype), (final if output_final_state else None)
 
 

@@ -15,14 +15,16 @@ from hyla.ops.deltanet.checks import (
     check_delta_inputs,
     l2norm,
     pop_aliases,
+    resolve_decay,
     seq_offsets,
     state_dtype,
 )
+from hyla.ops.gla.checks import check_inplace, write_back
 
 
-def naive_recurrent_gated_delta(q, k, v, g, beta, scale=None, initial_state=None,
+def naive_recurrent_gated_delta(q, k, v, g=None, beta=None, scale=None, initial_state=None,
                                 output_final_state=False, cu_seqlens=None, use_qk_l2norm=False,
-                                **kwargs):
+                                *, gk=None, inplace=False, **kwargs):
     """Reference gated delta rule, one token at a time in float32 (float64 for float64
     inputs). Slow; the fast forms are checked against it.
 
@@ -32,6 +34,8 @@ def naive_recurrent_gated_delta(q, k, v, g, beta, scale=None, initial_state=None
         scale: query scale, default K ** -0.5.
         initial_state: optional [N, H, K, V] (N = B, or the sequences of cu_seqlens).
         cu_seqlens: optional int [N + 1] offsets of packed sequences (B must be 1).
+        gk: flash-linear-attention's name for a decay a key channel; inplace: write the
+            final state into ``initial_state`` (see :func:`hyla.ops.gla.chunk_gla`).
         use_qk_l2norm: L2-normalise q and k over K first (fla's ``use_qk_l2norm_in_kernel``).
     Returns:
         o [B, T, H, V] in q's dtype; final_state [N, H, K, V] float32, or None.
@@ -45,7 +49,9 @@ def naive_recurrent_gated_delta(q, k, v, g, beta, scale=None, initial_state=None
         (torch.Size([1, 5, 2, 3]), torch.Size([1, 2, 4, 3]))
     """
     use_qk_l2norm = pop_aliases(kwargs, use_qk_l2norm)
+    g = resolve_decay(g, gk)
     N, scale = check_delta_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    check_inplace(inplace, initial_state, q, k, v, g, beta)
     B, T, H, K = q.shape
     V = v.shape[-1]
     dt = state_dtype(q, k, v, g, beta, initial_state)
@@ -66,5 +72,6 @@ def naive_recurrent_gated_delta(q, k, v, g, beta, scale=None, initial_state=None
             s = s + kt[..., None] * delta[:, None, :]
             o[b, t] = torch.einsum("hk,hkv->hv", qf[b, t] * scale, s)
         finals.append(s)
-    final_state = torch.stack(finals) if output_final_state else None
-    return o.to(q.dtype), final_state
+    final_state = torch.stack(finals) if output_final_state or inplace else None
+    final_state = write_back(initial_state, final_state, inplace)
+    return o.to(q.dtype), (final_state if output_final_state else None)

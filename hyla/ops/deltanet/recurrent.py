@@ -8,20 +8,21 @@ from hyla.ops.deltanet.checks import (
     check_delta_inputs,
     l2norm,
     pop_aliases,
+    resolve_decay,
     seq_offsets,
     state_dtype,
 )
+from hyla.ops.gla.checks import check_inplace, write_back
 
 
-def recurrent_gated_delta(q, k, v, g, beta, scale=None, initial_state=None,
+def recurrent_gated_delta(q, k, v, g=None, beta=None, scale=None, initial_state=None,
                           output_final_state=False, cu_seqlens=None, use_qk_l2norm=False,
-                          **kwargs):
+                          *, gk=None, inplace=False, **kwargs):
     """Step the gated delta rule token by token: the decode form (T = 1, or a short T).
 
-    With no gradient needed and a float32 ``initial_state``, the state batch is advanced *in
-    place*: ``initial_state`` holds the final state afterwards (and is returned as it), so a
-    decoder keeps one preallocated buffer. When any input requires grad, nothing is
-    modified in place.
+    With ``inplace=True`` (inference only) the state batch is advanced *in place*:
+    ``initial_state`` holds the final state afterwards (and is returned as it), so a decoder
+    keeps one preallocated buffer. Otherwise ``initial_state`` is left as it was.
 
     Args/returns: as :func:`hyla.ops.deltanet.naive_recurrent_gated_delta`.
 
@@ -30,12 +31,15 @@ def recurrent_gated_delta(q, k, v, g, beta, scale=None, initial_state=None,
         >>> q, k, v = torch.randn(3, 2, 1, 4, 8)
         >>> g, beta = torch.full((2, 1, 4), -0.1), torch.full((2, 1, 4), 0.5)
         >>> o, s = recurrent_gated_delta(q, k, v, g, beta, initial_state=state,
-        ...                              output_final_state=True, use_qk_l2norm=True)
+        ...                              output_final_state=True, use_qk_l2norm=True,
+        ...                              inplace=True)
         >>> s.data_ptr() == state.data_ptr()
         True
     """
     use_qk_l2norm = pop_aliases(kwargs, use_qk_l2norm)
+    g = resolve_decay(g, gk)
     N, scale = check_delta_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    check_inplace(inplace, initial_state, q, k, v, g, beta)
     B, T, H, K = q.shape
     V = v.shape[-1]
     dt = state_dtype(q, k, v, g, beta, initial_state)
@@ -43,7 +47,8 @@ def recurrent_gated_delta(q, k, v, g, beta, scale=None, initial_state=None,
         q, k = l2norm(q), l2norm(k)
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
-    in_place = not needs_grad and initial_state is not None and initial_state.dtype == dt
+    in_place = (inplace and not needs_grad and initial_state is not None
+                and initial_state.dtype == dt)
     if in_place:
         state = initial_state
     elif initial_state is not None:
@@ -53,6 +58,7 @@ def recurrent_gated_delta(q, k, v, g, beta, scale=None, initial_state=None,
 
     if cu_seqlens is None:
         o, state = _steps(q, k, v, g, beta, scale, state, in_place)
+        state = write_back(initial_state, state, inplace)
         return o.to(q.dtype), (state if output_final_state else None)
     # Packed sequences: batch them by position within their sequence, so a batch of N
     # one-token sequences is still one batched step.
@@ -74,6 +80,7 @@ def recurrent_gated_delta(q, k, v, g, beta, scale=None, initial_state=None,
                 states[n] = new[j]
     if not in_place and states:
         state = torch.stack(states)
+    state = write_back(initial_state, state, inplace)
     return o.to(q.dtype), (state if output_final_state else None)
 
 
@@ -110,7 +117,7 @@ def delta_decode_step(q, k, v, g, beta, state, scale=None):
         >>> q, k, v = torch.randn(3, 2, 1, 4, 8); g = -torch.rand(2, 1, 4)
         >>> beta = torch.rand(2, 1, 4); s0 = torch.zeros(2, 4, 8, 8); s1 = s0.clone()
         >>> o = delta_decode_step(q, k, v, g, beta, s0)
-        >>> ref, _ = recurrent_gated_delta(q, k, v, g, beta, initial_state=s1)
+        >>> ref, _ = recurrent_gated_delta(q, k, v, g, beta, initial_state=s1, inplace=True)
         >>> torch.allclose(o, ref), torch.equal(s0, s1)
         (True, True)
     """

@@ -51,3 +51,40 @@ def seq_offsets(B: int, T: int, cu_seqlens) -> list[tuple[int, int, int]]:
         return [(b, 0, T) for b in range(B)]
     offsets = cu_seqlens.tolist()
     return [(0, s, e) for s, e in zip(offsets[:-1], offsets[1:], strict=True)]
+
+
+def resolve_gate(g, gk):
+    """The log gate, passed as ``g`` (hyla) or ``gk`` (flash-linear-attention's name)."""
+    if gk is not None:
+        if g is not None:
+            raise ValueError("pass the log gate once, as g or as gk (flash-linear-attention's "
+                             "name), not both")
+        return gk
+    if g is None:
+        raise ValueError("g (the log gate, [B, T, H, K]; gk= is accepted too) is required")
+    return g
+
+
+def check_inplace(inplace: bool, initial_state, *inputs) -> None:
+    """``inplace=True`` writes the final state into ``initial_state``: it needs one, and no
+    gradient may flow (an in-place write would corrupt autograd's saved tensors)."""
+    if not inplace:
+        return
+    if initial_state is None:
+        raise ValueError("inplace=True writes the final state into initial_state: "
+                         "initial_state [N, H, K, V] is required")
+    if torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in (*inputs, initial_state)):
+        raise ValueError("inplace=True is for inference: an input requires grad "
+                         "(run under torch.no_grad(), or leave inplace=False)")
+
+
+def write_back(initial_state, final, inplace: bool):
+    """With ``inplace``, copy ``final`` into ``initial_state`` (unless it already is it) and
+    return ``initial_state``; else return ``final``."""
+    if not inplace or final is None:
+        return final
+    if final.data_ptr() != initial_state.data_ptr():
+        with torch.no_grad():
+            initial_state.copy_(final)
+    return initial_state

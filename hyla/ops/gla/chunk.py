@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from hyla.ops.gla.checks import check_gla_inputs
+from hyla.ops.gla.checks import check_gla_inputs, check_inplace, resolve_gate, write_back
 from hyla.ops.gla.layout import ChunkLayout
 from hyla.ops.gla.scores import intra_scores
 from hyla.ops.hardware import fast_low_precision_matmul
@@ -30,8 +30,8 @@ from hyla.ops.hardware import fast_low_precision_matmul
 CHUNK_SIZES = (16, 32, 64, 128)
 
 
-def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False,
-              cu_seqlens=None, chunk_size=64):
+def chunk_gla(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False,
+              cu_seqlens=None, chunk_size=64, *, gk=None, inplace=False):
     """Chunked GLA: the same result as :func:`naive_recurrent_gla`, in parallel over chunks.
 
     Args:
@@ -43,6 +43,9 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
         cu_seqlens: optional int [N + 1] offsets of packed sequences (B must be 1); the state
             resets at every boundary.
         chunk_size: 16, 32, 64 or 128.
+        gk: flash-linear-attention's name for ``g`` (pass one of them).
+        inplace: write the final state into ``initial_state`` (inference only) and return
+            it as the final state; otherwise ``initial_state`` is never modified.
     Returns:
         (o [B, T, H, V] in q's dtype, final_state or None).
 
@@ -55,7 +58,9 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
         >>> o.shape, s.shape
         (torch.Size([2, 100, 4, 32]), torch.Size([2, 4, 32, 32]))
     """
+    g = resolve_gate(g, gk)
     N, scale = check_gla_inputs(q, k, v, g, scale, initial_state, cu_seqlens)
+    check_inplace(inplace, initial_state, q, k, v, g)
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size}")
     B, T, H, K = q.shape
@@ -65,8 +70,10 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
         o = q.new_zeros(B, T, H, V)
         s0 = initial_state.float() if initial_state is not None else q.new_zeros(
             N, H, K, V, dtype=torch.float32)
+        s0 = write_back(initial_state, s0, inplace)
         return o, (s0 if output_final_state else None)
     o, final = _ChunkGLA.apply(q, k, v, g, initial_state, scale, layout)
+    final = write_back(initial_state, final, inplace)
     return o, (final if output_final_state else None)
 
 

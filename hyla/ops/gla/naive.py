@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import torch
 
-from hyla.ops.gla.checks import check_gla_inputs, seq_offsets
+from hyla.ops.gla.checks import (
+    check_gla_inputs,
+    check_inplace,
+    resolve_gate,
+    seq_offsets,
+    write_back,
+)
 
 
-def naive_recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False,
-                        cu_seqlens=None):
+def naive_recurrent_gla(q, k, v, g=None, scale=None, initial_state=None,
+                        output_final_state=False, cu_seqlens=None, *, gk=None, inplace=False):
     """Reference GLA, one token at a time in float32. Slow; used to check the fast forms.
 
     Args:
@@ -20,6 +26,8 @@ def naive_recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final
         v: [B, T, H, V].
         initial_state: optional [N, H, K, V] (N = B, or sequences in cu_seqlens).
         cu_seqlens: optional [N + 1] offsets of packed sequences (B must be 1).
+        gk: flash-linear-attention's name for ``g``; inplace: write the final state into
+            ``initial_state`` (see :func:`hyla.ops.gla.chunk_gla`).
     Returns:
         o: [B, T, H, V] in q's dtype; final_state: [N, H, K, V] float32, or None.
 
@@ -30,7 +38,9 @@ def naive_recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final
         >>> o.shape, s.shape
         (torch.Size([1, 5, 2, 3]), torch.Size([1, 2, 4, 3]))
     """
+    g = resolve_gate(g, gk)
     N, scale = check_gla_inputs(q, k, v, g, scale, initial_state, cu_seqlens)
+    check_inplace(inplace, initial_state, q, k, v, g)
     B, T, H, K = q.shape
     V = v.shape[-1]
     qf, kf, vf, gf = (x.float() for x in (q, k, v, g))
@@ -45,5 +55,6 @@ def naive_recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final
             s = s * gf[b, t].exp()[..., None] + kf[b, t][..., None] * vf[b, t][:, None, :]
             o[b, t] = torch.einsum("hk,hkv->hv", qf[b, t] * scale, s)
         finals.append(s)
-    final_state = torch.stack(finals) if output_final_state else None
-    return o.to(q.dtype), final_state
+    final_state = torch.stack(finals) if output_final_state or inplace else None
+    final_state = write_back(initial_state, final_state, inplace)
+    return o.to(q.dtype), (final_state if output_final_state else None)

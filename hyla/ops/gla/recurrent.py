@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from hyla.ops.gla.checks import check_gla_inputs, seq_offsets
+from hyla.ops.gla.checks import (
+    check_gla_inputs,
+    check_inplace,
+    resolve_gate,
+    seq_offsets,
+    write_back,
+)
 
 
-def recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False,
-                  cu_seqlens=None):
+def recurrent_gla(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False,
+                  cu_seqlens=None, *, gk=None, inplace=False):
     """Step GLA token by token: the decode form (T = 1, or a short T such as draft tokens).
 
-    With no gradient needed and an fp32 ``initial_state``, the state batch is advanced *in
-    place*: ``initial_state`` holds the final state afterwards (and is returned as it), so a
-    decoder keeps one preallocated buffer and allocates nothing per step. When any input
-    requires grad, nothing is modified in place.
+    With ``inplace=True`` (inference only) the state batch is advanced *in place*:
+    ``initial_state`` holds the final state afterwards (and is returned as it), so a decoder
+    keeps one preallocated buffer (with an fp32 state it allocates nothing per step).
+    Otherwise ``initial_state`` is left as it was, as in flash-linear-attention.
 
     Args/returns: as :func:`hyla.ops.gla.naive_recurrent_gla`.
 
@@ -22,16 +28,22 @@ def recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final_state
         >>> state = torch.zeros(2, 4, 8, 8)                   # [N, H, K, V]
         >>> q = k = v = torch.randn(2, 1, 4, 8)
         >>> g = torch.full((2, 1, 4, 8), -0.1)
-        >>> o, s = recurrent_gla(q, k, v, g, initial_state=state, output_final_state=True)
+        >>> o, s = recurrent_gla(q, k, v, gk=g, initial_state=state, output_final_state=True)
+        >>> s.data_ptr() == state.data_ptr(), bool(state.abs().sum() == 0)
+        (False, True)
+        >>> o, s = recurrent_gla(q, k, v, g, initial_state=state, output_final_state=True,
+        ...                      inplace=True)
         >>> s.data_ptr() == state.data_ptr()
         True
     """
+    g = resolve_gate(g, gk)
     N, scale = check_gla_inputs(q, k, v, g, scale, initial_state, cu_seqlens)
+    check_inplace(inplace, initial_state, q, k, v, g)
     B, T, H, K = q.shape
     V = v.shape[-1]
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, initial_state))
-    in_place = (not needs_grad and initial_state is not None
+    in_place = (inplace and not needs_grad and initial_state is not None
                 and initial_state.dtype == torch.float32)
     if in_place:
         state = initial_state
@@ -64,6 +76,7 @@ def recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final_state
                     states[n] = new[j]
         if not in_place:
             state = torch.stack(states) if states else state
+    state = write_back(initial_state, state, inplace)
     return o.to(q.dtype), (state if output_final_state else None)
 
 
@@ -93,7 +106,7 @@ def gla_decode_step(q, k, v, g, state, scale=None):
         >>> q, k, v = torch.randn(3, 2, 1, 4, 8); g = -torch.rand(2, 1, 4, 8)
         >>> s0 = torch.zeros(2, 4, 8, 8); s1 = s0.clone()
         >>> o = gla_decode_step(q, k, v, g, s0)
-        >>> ref, _ = recurrent_gla(q, k, v, g, initial_state=s1, output_final_state=True)
+        >>> ref, _ = recurrent_gla(q, k, v, g, initial_state=s1, inplace=True)
         >>> torch.allclose(o, ref), torch.equal(s0, s1)
         (True, True)
     """
