@@ -130,13 +130,10 @@ def train_quickstart(out: Console, *, preset: str = "small", steps: int = 120,
     """Train the quickstart model (a BPE tokenizer, then ``steps`` AdamW steps on the Python
     standard library's source) into ``out_dir``; returns ``out_dir``. ``hyla quickstart``,
     ``hyla serve`` and ``hyla cluster`` (with no checkpoint) call it."""
-    from hyla.train.config import TrainConfig
+    from hyla.train.config import quickstart_config
     from hyla.train.trainer import Trainer
 
-    # AdamW here: at a CPU-sized batch Muon's Newton-Schulz costs more than the model itself.
-    cfg = TrainConfig(preset=preset, steps=steps, seq_len=256, batch_size=4,
-                      optimizer="adamw", lr=3e-3, warmup_steps=min(5, steps),
-                      save_every=steps, eval_batches=4, out=out_dir)
+    cfg = quickstart_config(preset=preset, steps=steps, out=out_dir)
     out.print(f"Training [bold]{cfg.preset}[/] for {cfg.steps} steps of "
               f"{cfg.tokens_per_step:,} tokens on the Python standard library's source "
               f"(a byte-level BPE of {cfg.vocab_size:,} tokens is trained first):")

@@ -90,3 +90,22 @@ def wsd_lr_factor(step: int, cfg: TrainConfig) -> float:
     if decay_steps and step >= decay_start:
         return (cfg.steps - step) / decay_steps
     return 1.0
+
+
+def quickstart_config(*, preset: str = "small", steps: int = 120,
+                      out: str = "runs/quickstart", **changes) -> TrainConfig:
+    """What ``hyla quickstart`` trains: about three minutes on a 2-core CPU for ``small``.
+
+    AdamW (at a CPU-sized batch Muon's Newton-Schulz costs more than the model itself), and
+    blocks mixed through the shuffle buffer so that consecutive batches come from many files
+    (``benchmarks/data_mixing.py`` measured these settings against the alternatives).
+
+    Example:
+        >>> cfg = quickstart_config(steps=10)
+        >>> cfg.optimizer, cfg.tokens_per_step, cfg.warmup_steps
+        ('adamw', 1024, 5)
+    """
+    base = dict(preset=preset, steps=steps, seq_len=256, batch_size=4, optimizer="adamw",
+                lr=3e-3, warmup_steps=min(5, steps), shuffle_buffer=1024, save_every=steps,
+                eval_batches=4, out=out)
+    return TrainConfig(**{**base, **changes})
