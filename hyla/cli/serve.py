@@ -78,6 +78,12 @@ def add_serve(sub) -> argparse.ArgumentParser:
     mode.add_argument("--compile", action="store_true",
                       help="torch.compile the decode step (default: eager)")
     mode.add_argument("--eager", action="store_true", help="eager decode (the default)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="weights and activations (recurrent states stay float32); auto: "
+                        "bfloat16 on CUDA, as loaded elsewhere")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay each decode batch shape as a CUDA graph, all captured before "
+                        "serving (CUDA only; with --compile, graphs of the compiled step)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0, help="weights seed for --preset")
@@ -108,6 +114,21 @@ def cmd_generate(args: argparse.Namespace, out: Console) -> int:
     return 0
 
 
+def serve_dtype(choice: str, weight):
+    """The serving dtype for ``--dtype``: auto is bfloat16 on CUDA, else the weights' own.
+
+    Example:
+        >>> import torch
+        >>> serve_dtype("auto", torch.zeros(1)), serve_dtype("bfloat16", torch.zeros(1))
+        (torch.float32, torch.bfloat16)
+    """
+    import torch
+
+    if choice == "auto":
+        return torch.bfloat16 if weight.device.type == "cuda" else weight.dtype
+    return getattr(torch, choice)
+
+
 def cmd_serve(args: argparse.Namespace, out: Console) -> int:
     import torch
     import uvicorn
@@ -123,14 +144,17 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, tok, name = load_model(args, out)
+    model = model.to(serve_dtype(args.dtype, model.embed.weight))
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=not args.no_prefix_caching,
-                          compile=args.compile)
+                          compile=args.compile, cuda_graphs=args.cuda_graphs)
     engine = Engine(model, tok, config)
-    if args.compile:
-        # Every decode shape compiled now, so no request ever waits on a compilation.
-        out.print(f"compiled {engine.warmup()} decode graphs")
+    if args.compile or args.cuda_graphs:
+        # Every decode shape compiled (captured) now, so no request ever waits on it.
+        built = engine.warmup()
+        out.print(f"compiled {built} decode graphs, captured {engine.runner.num_captures} "
+                  f"CUDA graphs")
     # One tiny request before the first client's: first-call costs (allocator, kernels)
     # don't land on its time to first token.
     engine.generate([[0]], SamplingParams(max_tokens=2, temperature=0))

@@ -29,6 +29,8 @@ class EngineConfig:
     ``num_kv_blocks`` defaults to enough blocks for ``max_num_seqs`` full-length sequences
     (attention layers only); ``num_state_snapshots`` to ``max_num_seqs`` (GLA layers only).
     ``compile``: run decode through ``torch.compile`` (``--eager`` turns it off).
+    ``cuda_graphs``: replay each fixed decode shape as a captured CUDA graph (CUDA only;
+    :meth:`Engine.warmup` captures them all before serving).
     """
 
     max_num_seqs: int = 16
@@ -41,6 +43,7 @@ class EngineConfig:
     snapshot_interval: int = 256
     decode_widths: tuple[int, ...] | None = None
     compile: bool = False
+    cuda_graphs: bool = False
     # logits [B, V], per-row params and generators -> (tokens, logprobs); the same sampler
     # as hyla.model.generate by default
     sampler: Callable = sample
@@ -104,7 +107,8 @@ class Engine:
             sliding_window=model.cfg.sliding_window))
         self.runner = Runner(model, max_num_seqs=c.max_num_seqs, num_kv_blocks=blocks,
                              block_size=c.block_size,
-                             num_snapshots=snaps if has_gla else 0, compile=c.compile)
+                             num_snapshots=snaps if has_gla else 0, compile=c.compile,
+                             cuda_graphs=c.cuda_graphs)
         self.eos_token_id = getattr(tokenizer, "eos_id", None)
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
@@ -207,9 +211,10 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def warmup(self) -> int:
-        """Compile every decode shape the scheduler can produce (a no-op when eager), so
-        serving never compiles; returns the number of graphs built."""
-        if not self.runner.compiled:
+        """Compile (and with ``cuda_graphs`` capture) every decode shape the scheduler can
+        produce (a no-op when eager), so serving never compiles; returns the number of
+        graphs compiled (``runner.num_captures`` counts the captured ones)."""
+        if not self.runner.fixed_shapes:
             return 0
         c = self.config
         return self.runner.warmup(self.scheduler.config.decode_widths,

@@ -11,7 +11,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 class EngineMetrics:
     """Queue depth, running sequences, state-pool and KV-block use, prefix-cache hit rate,
-    TTFT and inter-token latency histograms, token counters, decode compilations.
+    TTFT and inter-token latency histograms, token counters, decode compilations and CUDA
+    graph captures.
 
     Example:
         >>> m = EngineMetrics()
@@ -33,6 +34,11 @@ class EngineMetrics:
                                registry=r)
         self.compilations = Gauge("hyla_decode_compilations",
                                   "Decode graphs compiled (one per batch shape)", registry=r)
+        self.captures = Gauge("hyla_decode_cuda_graphs",
+                              "Decode CUDA graphs captured (one per batch shape)", registry=r)
+        self.capture_failures = Gauge("hyla_decode_cuda_graph_failures",
+                                      "Decode shapes that could not be captured (run "
+                                      "uncaptured)", registry=r)
         self.prompt_tokens = Counter("hyla_prompt_tokens", "Prompt tokens computed",
                                      registry=r)
         self.generation_tokens = Counter("hyla_generation_tokens", "Tokens generated",
@@ -87,6 +93,9 @@ class EngineMetrics:
             if s.prefix_cache is not None:
                 self.cache_hit.set(s.prefix_cache.hit_rate)
             self.compilations.set(engine.runner.num_compilations)
+            self.captures.set(engine.runner.num_captures)
+            graphs = engine.runner.graphs
+            self.capture_failures.set(graphs.capture_failures if graphs is not None else 0)
             prompt = engine.stats["prompt_tokens"]
             self.prompt_tokens.inc(max(0, prompt - self._prompt_seen))
             self._prompt_seen = max(prompt, self._prompt_seen)

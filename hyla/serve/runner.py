@@ -9,7 +9,8 @@ scheduler hands out; a :class:`~hyla.model.context.Context` hands the buffers to
 
 Decode runs at a fixed set of batch widths (and of block-table lengths, powers of two), so
 ``torch.compile`` sees a closed set of shapes; ``num_compilations`` counts the graphs it
-built.
+built. On CUDA, ``cuda_graphs=True`` also captures each of those shapes as a CUDA graph
+(:mod:`hyla.serve.cuda_graphs`; ``num_captures`` counts them) and decode replays it.
 """
 
 from __future__ import annotations
@@ -49,7 +50,11 @@ class Runner:
     """
 
     def __init__(self, model: HylaLM, *, max_num_seqs: int, num_kv_blocks: int,
-                 block_size: int = 16, num_snapshots: int = 0, compile: bool = False):
+                 block_size: int = 16, num_snapshots: int = 0, compile: bool = False,
+                 cuda_graphs: bool = False, capture=None):
+        """``compile``: decode through ``torch.compile`` (fixed shapes). ``cuda_graphs``:
+        replay each decode shape as a captured CUDA graph (needs a CUDA model unless a
+        stand-in ``capture`` function is given, as the CPU tests do)."""
         self.model = model
         p = model.embed.weight
         self.device, self.dtype = p.device, p.dtype
@@ -88,6 +93,24 @@ class Runner:
             self._decode_fn = torch.compile(self._decode_impl, dynamic=False)
         self.num_compilations = 0      # graphs torch.compile built for decode
         self.compile_time_s = 0.0      # wall time of the decode calls that compiled
+        self.graphs = None
+        if cuda_graphs:
+            if self.device.type != "cuda" and capture is None:
+                raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, "
+                                 f"got {self.device}")
+            from hyla.serve.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self._decode_fn, capture=capture)
+
+    @property
+    def fixed_shapes(self) -> bool:
+        """Decode pads to fixed widths and block-table lengths (compiled or graphed)."""
+        return self.compiled or self.graphs is not None
+
+    @property
+    def num_captures(self) -> int:
+        """CUDA graphs captured for decode (0 without ``cuda_graphs``)."""
+        return self.graphs.num_captures if self.graphs is not None else 0
 
     # -- state movement ----------------------------------------------------------------
     def _fixed(self):
@@ -230,10 +253,10 @@ class Runner:
         B = len(slots)
         if not 1 <= B <= width:
             raise ValueError(f"decode batch of {B} does not fit width {width}")
-        rows = width if self.compiled else B
+        rows = width if self.fixed_shapes else B
         pad = rows - B
         longest = max((len(t) for t in block_tables), default=0)
-        nb = (_pow2(longest) if self.compiled else longest) if self.has_growing else 0
+        nb = (_pow2(longest) if self.fixed_shapes else longest) if self.has_growing else 0
         tables = torch.full((rows, nb), self.pad_block, dtype=torch.long)
         for b, t in enumerate(block_tables if nb else ()):
             tables[b, :len(t)] = torch.tensor(t, dtype=torch.long)
@@ -242,7 +265,7 @@ class Runner:
                 torch.tensor(list(slots) + [self.pad_slot] * pad, device=dev),
                 torch.tensor(list(positions) + [0] * pad, device=dev),
                 tables.to(dev))
-        if not self.compiled:
+        if not self.fixed_shapes:
             # Consecutive slots (the usual case: slots are handed out lowest first and the
             # engine sorts the batch) let fixed-size states update in place.
             first = slots[0]
@@ -253,7 +276,14 @@ class Runner:
 
         before = counters["stats"]["unique_graphs"]
         t0 = time.perf_counter()
-        logits = self._decode_fn(*args)[:B]
+        if self.graphs is not None:
+            pad_args = (torch.zeros(rows, dtype=torch.long, device=dev),
+                        torch.full((rows,), self.pad_slot, dtype=torch.long, device=dev),
+                        torch.zeros(rows, dtype=torch.long, device=dev),
+                        torch.full((rows, nb), self.pad_block, dtype=torch.long, device=dev))
+            logits = self.graphs(pad_args, args)[:B]
+        else:
+            logits = self._decode_fn(*args)[:B]
         built = counters["stats"]["unique_graphs"] - before
         if built:
             self.num_compilations += built
