@@ -22,7 +22,8 @@ from hyla.train.distill_config import DistillConfig
 _NONE_DEFAULT_TYPES = {"student_kv_heads": int, "stage1_seq_len": int, "data": str}
 _HELP = {
     "teacher": "an all-attention model: " + SOURCE_HELP,
-    "layers": "the student's layer mix, one letter (G or A) per teacher layer",
+    "layers": "the student's layer mix, one registered mixer letter (G, A, D, K) per teacher "
+              "layer",
     "student_kv_heads": "KV heads of the student's A layers (must divide the teacher's)",
     "stage1_steps": "attention-transfer steps (teacher frozen, layer by layer)",
     "stage2_steps": "end-to-end steps (vocabulary KL + cross-entropy)",
