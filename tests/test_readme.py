@@ -48,7 +48,7 @@ TINY = {
     ("generate",): {"--max-tokens": "4"},
     ("eval", "ppl"): {"--seq-len": "32", "--max-tokens": "256"},
     ("eval", "needle"): {"--context": "128", "--trials": "1", "--depths": "0.5"},
-    ("simulate",): {"--requests": "10"},
+    ("simulate",): {"--requests": "10", "--seeds": "1", "--min-duration": "0"},
     ("profile",): {"--preset": "debug", "--quick": None},
     ("distill",): {"--stage1-steps": "1", "--stage2-steps": "1", "--seq-len": "32",
                    "--batch-size": "1", "--eval-batches": "1", "--no-progress": None},

@@ -3,7 +3,7 @@ measured step costs, for the simulator) and ``hyla kv-table``.
 
 Example:
     $ hyla simulate --setup published --rate 2 --json out.json
-    $ hyla simulate --setup published                    # each deployment at its capacity
+    $ hyla simulate --setup published --seeds 5          # capacities, 95% intervals
     $ hyla simulate --trace azure-conv --length-scale 8 --rate 1.5   # or --trace PATH.csv
     $ hyla simulate --list-traces                        # the built-in traces
     $ hyla profile --preset small --json cpu.json        # this machine's engine
@@ -44,9 +44,27 @@ def add_simulate(sub) -> argparse.ArgumentParser:
     p.add_argument("--arrivals", default=None, choices=("trace", "poisson", "gamma"),
                    help="arrival process (default: trace timestamps if any, else poisson)")
     p.add_argument("--cv", type=positive_float, default=2.0, help="gamma arrivals' CV")
-    p.add_argument("--requests", type=int, default=300, help="requests simulated (default 300)")
+    p.add_argument("--requests", type=int, default=400,
+                   help="requests a run, at least (default 400: SLO attainment within about "
+                        "+-0.015 at 90%%)")
+    p.add_argument("--min-duration", type=float, default=120.0, metavar="S",
+                   help="capacity search: a run has at least rate * S requests, so that its "
+                        "queues reach steady state (default 120 s)")
+    p.add_argument("--seeds", type=int, default=3,
+                   help="capacity search: workload seeds (lengths, arrivals, trace window); "
+                        "capacities and ratios are means with 95%% intervals (default 3)")
+    p.add_argument("--no-search", action="store_true",
+                   help="capacity search: take --threshold, --homo-prefill and "
+                        "--prfaas-prefill as they are (no long-timescale search)")
+    p.add_argument("--offload", default="0.1,0.25,0.5,0.75", metavar="F,F,...",
+                   help="capacity search: besides t = 0 and t = inf, the thresholds that "
+                        "offload these fractions of the requests (default 0.1,0.25,0.5,0.75)")
+    p.add_argument("--rel-tol", type=positive_float, default=0.02,
+                   help="capacity bisection stops at hi/lo <= 1 + this (default 0.02)")
     p.add_argument("--deployments", default="homogeneous,naive,prfaas")
-    p.add_argument("--threshold", type=int, default=19_400, help="PrfaaS initial t (tokens)")
+    p.add_argument("--threshold", type=int, default=19_400,
+                   help="PrfaaS t at a fixed --rate or with --no-search; otherwise the "
+                        "'configured' alternative (tokens)")
     p.add_argument("--static-threshold", action="store_true", help="do not adapt t")
     p.add_argument("--homo-prefill", type=int, default=11,
                    help="prefill instances of the 12 in homogeneous PD (default: grid's best)")
@@ -59,7 +77,7 @@ def add_simulate(sub) -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, metavar="JSON",
                    help="a measured profile (hyla profile): every instance, local and remote, "
                         "is then one engine process like the profiled one, serving its preset")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="first seed")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
     p.set_defaults(func=cmd_simulate)
     return p
@@ -123,16 +141,40 @@ def run_simulate(args: argparse.Namespace, progress=None) -> dict:
         except ValueError as e:
             raise ValueError(f"--trace: {e}") from None
     arrivals = args.arrivals or ("trace" if args.trace else "poisson")
-    make = workload_maker(trace=args.trace, length_scale=args.length_scale,
-                          output_scale=args.output_scale, arrivals=arrivals, cv=args.cv,
-                          num_requests=args.requests, seed=args.seed)
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    try:
+        fractions = tuple(float(x) for x in args.offload.split(",") if x.strip())
+    except ValueError:
+        fractions = ()
+    if not fractions or not all(0 < f < 1 for f in fractions):
+        raise ValueError(f"--offload must be a comma list of fractions in (0, 1), got "
+                         f"{args.offload!r}")
+    if args.min_duration < 0:
+        raise ValueError(f"--min-duration must be >= 0 s, got {args.min_duration}")
+
+    def make_seed(seed, min_duration=args.min_duration):
+        return workload_maker(trace=args.trace, length_scale=args.length_scale,
+                              output_scale=args.output_scale, arrivals=arrivals, cv=args.cv,
+                              num_requests=args.requests, seed=seed,
+                              min_duration_s=min_duration)
+    make = make_seed(args.seed, 0.0)
     model = published_1t_hybrid()
     deps = {n: deps[n] for n in names}
     if args.profile is not None:
         model, deps = _measured(args.profile, deps)
     cfg = SimConfig(link_gbps=args.link_gbps)
-    res = compare(model, deps, make, rate=args.rate, cfg=cfg,
-                  rate_range=with_rate_range(model, deps), progress=progress)
+    if args.rate is not None:
+        res = compare(model, deps, make, rate=args.rate, cfg=cfg,
+                      rate_range=with_rate_range(model, deps), progress=progress)
+    else:
+        from hyla.disagg.sim.capacity import compare_capacity
+
+        res = compare_capacity(model, deps, make_seed,
+                               list(range(args.seed, args.seed + args.seeds)), cfg,
+                               search=not args.no_search, rel_tol=args.rel_tol,
+                               fractions=fractions,
+                               progress=progress)
     from hyla.disagg.sim.workload import describe
 
     return {"setup": args.setup, "model": model.to_dict(),
@@ -204,6 +246,43 @@ def results_table(res: dict, title: str) -> Table:
     return table
 
 
+def _iv(iv: dict, unit: str = "") -> str:
+    if iv["half"] is None:
+        return f"{iv['mean']:.3g}{unit}"
+    return f"{iv['mean']:.3g}{unit} +- {iv['half']:.2g} ({iv['rel_half']:.1%})"
+
+
+def _modal(labels: list) -> str:
+    best = max(set(labels), key=labels.count)
+    return best if labels.count(best) == len(labels) else \
+        f"{best} ({labels.count(best)} of {len(labels)} seeds)"
+
+
+def capacity_table(res: dict, title: str) -> Table:
+    """Each deployment's capacity (mean, 95% interval over seeds) and, for PrfaaS, the
+    policy's choice beside the alternatives of its space."""
+    table = Table(title=title)
+    for c in ("deployment", "capacity req/s (95%)", "configuration", "TTFT p90",
+              "TPOT p90", "egress Gbps", "offload", "t final"):
+        table.add_column(c, justify="right")
+
+    def first(e):
+        m = e["per_seed"][0]["metrics"]
+        return (f"{m['ttft_p90_s']:.2f} s" if m.get("ttft_p90_s") is not None else "-",
+                f"{m['tpot_p90_s'] * 1e3:.1f} ms" if m.get("tpot_p90_s") is not None else "-",
+                f"{m['egress_gbps']:.1f}" if m.get("egress_gbps") is not None else "-",
+                f"{m['offload_fraction']:.0%}" if m.get("offload_fraction") is not None
+                else "-", f"{m['threshold_final']:,}" if m.get("threshold_final") is not None
+                else "-")
+    for name, e in res["deployments"].items():
+        label = "prfaas (policy's choice)" if name == "prfaas" else name
+        table.add_row(label, _iv(e["capacity"]), _modal(e["choice"]), *first(e))
+        for fam, iv in e.get("alternatives", {}).items():
+            table.add_row(f"  prfaas: {fam}", _iv(iv),
+                          _modal(e["alternative_choices"][fam]), "", "", "", "", "")
+    return table
+
+
 def cmd_simulate(args: argparse.Namespace, out: Console) -> int:
     if args.list_traces:
         for line in traces_lines():
@@ -211,10 +290,18 @@ def cmd_simulate(args: argparse.Namespace, out: Console) -> int:
         out.print("Use one with --trace NAME (or give a CSV path); provenance and licence: "
                   "hyla/disagg/sim/traces/README.md", markup=False, highlight=False)
         return 0
-    res = run_simulate(args, progress=lambda n: out.print(f"[dim]simulating {n}...[/]"))
-    out.print(results_table(res, f"{res['setup']} setup, {res['mode']}"))
-    for k, v in res["ratios"].items():
-        out.print(f"{k.replace('_', ' ')}: [bold]{v:.2f}x[/] throughput")
+    res = run_simulate(args, progress=lambda n: out.print(f"[dim]{n}...[/]"))
+    if res["mode"] == "fixed rate":
+        out.print(results_table(res, f"{res['setup']} setup, {res['mode']}"))
+        for k, v in res["ratios"].items():
+            out.print(f"{k.replace('_', ' ')}: [bold]{v:.2f}x[/] throughput")
+    else:
+        n = len(res["seeds"])
+        out.print(capacity_table(res, f"{res['setup']} setup, capacity under SLOs, {n} "
+                                 f"seed{'s' * (n > 1)} (metrics: seed {res['seeds'][0]})"))
+        for k, v in res["ratios"].items():
+            out.print(f"{k.replace('_', ' ')}: [bold]{_iv(v, 'x')}[/] capacity "
+                      f"(per-seed ratios, same arrivals)")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
         out.print(f"wrote {args.json}")

@@ -18,11 +18,12 @@ Example:
 
 from hyla.disagg.policy.base import LOCAL, REMOTE, RouteDecision, RoutingPolicy, least_loaded
 from hyla.disagg.policy.prfaas import (
+    ALL_LOCAL,
     PrfaasRouter,
     RouterConfig,
     build_policy,
     recommend_pd_split,
 )
 
-__all__ = ["LOCAL", "REMOTE", "PrfaasRouter", "RouteDecision", "RouterConfig", "RoutingPolicy",
-           "build_policy", "least_loaded", "recommend_pd_split"]
+__all__ = ["ALL_LOCAL", "LOCAL", "REMOTE", "PrfaasRouter", "RouteDecision", "RouterConfig",
+           "RoutingPolicy", "build_policy", "least_loaded", "recommend_pd_split"]

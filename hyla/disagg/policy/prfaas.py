@@ -18,15 +18,21 @@ Policy (after the published PrfaaS design):
   prefix is moved (``RouteDecision.cache_transfer``). When the link is busy, placement is
   cache-affine: each cluster counts only its own cache, and nothing extra crosses the link.
 - **Short timescale** (:meth:`PrfaasRouter.observe`, every few seconds): egress-link
-  utilisation and the remote and local prefill queues move ``t``. A busy link or a remote
-  queue longer than the local one raises ``t`` (offload less); an idle link and a local
-  queue longer than the remote one lower it (offload more). Multiplicative steps, clamped to
-  ``[t_min, t_max]``.
+  utilisation and the remote and local prefill queues move ``t`` around its long-timescale
+  value (``cfg.threshold``, the *anchor*). A busy link or a remote queue longer than the
+  local one raises ``t`` (offload less); an idle link and a local queue longer than the
+  remote one lower it (offload more); with neither signal ``t`` steps back to the anchor.
+  Multiplicative steps, never more than a factor ``cfg.band`` from the anchor (and within
+  ``[t_min, t_max]``), so the controller answers transients but cannot carry the policy
+  away from the long-timescale choice: once the signal clears, ``t`` is back at the anchor
+  within ``cfg.reaction_steps`` observations (its reaction time). The anchors ``t = 0``
+  (every uncached prefill remote) and ``t = ALL_LOCAL`` (none) are fixed points.
+- **Long timescale**: the anchor and the local P/D split are chosen by measured goodput
+  under the SLOs over the whole space, ``t = 0`` and ``t = ALL_LOCAL`` included (the
+  simulator's :mod:`hyla.disagg.sim.search`; live, the operator applies its choice);
+  :func:`recommend_pd_split` gives the split the measured busy fractions suggest.
 - **Fallback.** While the remote pool is down, or its queue exceeds
   ``cfg.max_remote_queue_s``, every request stays local.
-- **Long timescale** (:func:`recommend_pd_split`): from the measured busy fractions of the
-  local prefill and decode instances, how many of the local instances should prefill. The
-  simulator searches it directly; the live router reports it as a recommendation.
 
 API (what the live router calls)::
 
@@ -48,14 +54,21 @@ Example:
     'remote'
     >>> r.route(5000, {"local": 4500, "remote": 0}).target   # cached locally: 500 new tokens
     'local'
+    >>> PrfaasRouter(RouterConfig(threshold=0)).route(10).target   # t = 0: all remote
+    'remote'
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hyla.disagg.policy.base import LOCAL, REMOTE, C, RouteDecision, least_loaded
+
+#: ``threshold`` that keeps every prefill local (t = infinity); ``threshold=0`` sends every
+#: uncached prefill to the remote cluster.
+ALL_LOCAL = 1 << 40
 
 
 @dataclass(kw_only=True)
@@ -67,7 +80,15 @@ class RouterConfig:
     ``threshold`` is the initial ``t``; ``t_min`` its floor (None: 256, or ``threshold`` if
     lower); ``link_gbps`` the egress link's capacity, used to turn measured Gbps into a
     utilisation (the simulator sets it to its simulated link's). ``adapt=False`` freezes
-    ``t`` (a static threshold).
+    ``t`` (a static threshold). ``threshold=0`` sends every uncached prefill remote,
+    ``threshold=ALL_LOCAL`` none (``t_max`` is raised to it). ``band``: the short-timescale
+    controller keeps ``t`` within a factor ``band`` of ``threshold``; ``reaction_steps``
+    observations bring it back from the band's edge.
+
+    Example:
+        >>> c = RouterConfig(threshold=8000)
+        >>> c.reaction_steps, RouterConfig(threshold=ALL_LOCAL).t_max == ALL_LOCAL
+        (5, True)
     """
 
     threshold: int = 19_400          # the published optimum for its workload
@@ -80,10 +101,16 @@ class RouterConfig:
     queue_slack: float = 1.5         # remote queue > slack * local queue -> offload less
     queue_margin_s: float = 1.0      # ... and by more than this (queues this close: balanced)
     step: float = 1.15               # multiplicative change of t per observation
+    band: float = 2.0                # t stays within [threshold / band, threshold * band]
     adapt: bool = True
 
     def __post_init__(self) -> None:
-        if not 0 < self.t_floor <= self.threshold <= self.t_max:
+        if self.threshold >= ALL_LOCAL:
+            self.t_max = max(self.t_max, self.threshold)
+        if self.band < 1:
+            raise ValueError(f"band must be >= 1, got {self.band}")
+        if not (0 <= self.t_floor <= self.threshold <= self.t_max
+                and (self.t_floor > 0 or self.threshold == 0)):
             raise ValueError(f"need 0 < t_min <= threshold <= t_max, got {self.t_min}, "
                              f"{self.threshold}, {self.t_max}")
         if self.link_gbps <= 0:
@@ -100,6 +127,18 @@ class RouterConfig:
     def t_floor(self) -> int:
         """The effective ``t_min``."""
         return min(256, self.threshold) if self.t_min is None else self.t_min
+
+    @property
+    def reaction_steps(self) -> int:
+        """Observations that bring ``t`` back from the band's edge to the anchor once the
+        signals clear (times the observation interval: the controller's reaction time)."""
+        return math.ceil(math.log(self.band) / math.log(self.step) - 1e-9) if self.band > 1 \
+            else 0
+
+    def bounds(self) -> tuple[float, float]:
+        """``(lowest, highest)`` threshold the short-timescale controller may set."""
+        return (max(self.t_floor, self.threshold / self.band),
+                min(self.t_max, self.threshold * self.band))
 
 
 @dataclass
@@ -198,10 +237,17 @@ class PrfaasRouter:
             busy = link_util > c.util_high or remote_queue_s > c.queue_slack * local_queue_s + m
             idle = (link_util < c.util_high and
                     local_queue_s > c.queue_slack * remote_queue_s + m)
+            lo, hi = c.bounds()
+            t, anchor = self.threshold, float(c.threshold)
             if busy:
-                self.threshold = min(c.t_max, self.threshold * c.step)
+                t = t * c.step
             elif idle:
-                self.threshold = max(c.t_floor, self.threshold / c.step)
+                t = t / c.step
+            elif t > anchor:       # no signal: back toward the long-timescale choice
+                t = max(anchor, t / c.step)
+            elif t < anchor:
+                t = min(anchor, t * c.step)
+            self.threshold = min(hi, max(lo, t))
         self.stats.threshold_history.append((now, self.t))
         return self.t
 

@@ -76,4 +76,5 @@ def summarize(sim, requests: list[Request]) -> dict:
         "cached_tokens_frac": sum(x["cached"] for x in sim.rec.values())
         / max(1, sum(r.prompt_len for r in requests)),
         "local_routed": sum(1 for x in sim.rec.values() if x["cluster"] == LOCAL),
+        "stopped_early": sim.stopped_early,
     }

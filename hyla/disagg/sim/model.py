@@ -47,6 +47,7 @@ samples its first token; TPOT is the mean time per later token.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import simpy
@@ -228,6 +229,7 @@ class Sim:
         self.cache = {LOCAL: {}, REMOTE: {}}      # session -> cached prefix tokens
         self.egress_bytes = 0.0
         self._window_bytes = 0.0
+        self._fail_budget, self._fails, self.stopped_early = None, 0, False
 
     # -- routing -------------------------------------------------------------------------
     def _cached(self, r: Request) -> dict[str, int]:
@@ -311,10 +313,24 @@ class Sim:
         self.router.pick(self.decode, prefill=False).add(dseq)
 
     def _finish(self, rid: str) -> None:
-        self.rec[rid]["done"] = self.env.now
+        rec = self.rec[rid]
+        rec["done"] = self.env.now
         self._n_left -= 1
-        if self._n_left == 0:
+        if self._n_left == 0 and not self._done.triggered:
             self._done.succeed()
+        if self._fail_budget is not None and not self._meets_slo(self.reqs[rid], rec):
+            self._fails += 1
+            if self._fails > self._fail_budget and not self._done.triggered:
+                self.stopped_early = True
+                self._done.succeed()
+
+    def _meets_slo(self, r: Request, rec: dict) -> bool:
+        """Both SLOs, for a finished request (as :func:`~hyla.disagg.sim.metrics.summarize`
+        counts them)."""
+        c = self.cfg
+        tt = rec["first_token"] - r.arrival
+        tp = (rec["done"] - rec["first_token"]) / (r.output_len - 1) if r.output_len > 1 else 0
+        return tt <= c.ttft_base_s + rec["incremental"] / c.ttft_tok_s and tp <= c.tpot_slo_s
 
     # -- short-timescale control -----------------------------------------------------------
     def _queue_s(self, pool: list[Instance]) -> float:
@@ -335,13 +351,24 @@ class Sim:
                                 local_queue_s=self._queue_s(
                                     self.decode if self.dep.colocated else self.local_p))
 
-    def run(self, requests: list[Request], horizon_s: float | None = None) -> dict:
-        """Simulate ``requests`` to completion (or ``horizon_s``); returns the metrics."""
+    def run(self, requests: list[Request], horizon_s: float | None = None,
+            stop_below: float | None = None) -> dict:
+        """Simulate ``requests`` to completion (or ``horizon_s``); returns the metrics.
+
+        ``stop_below``: stop as soon as so many requests have missed an SLO that the SLO
+        attainment must end below this fraction (the run's verdict is then known; its
+        metrics cover what finished, ``stopped_early`` is True and ``slo_attainment`` is an
+        upper bound below ``stop_below``). Capacity searches use it: runs above a
+        deployment's capacity are most of their cost.
+        """
         for r in requests:
             self.env.process(self.arrive(r))
         if self.dep.kind == "prfaas":
             self.env.process(self.observer())
         self._n_left = len(requests)
+        self._fails, self.stopped_early = 0, False
+        self._fail_budget = None if stop_below is None else \
+            len(requests) - math.ceil(stop_below * len(requests) - 1e-9)
         self._done = done = self.env.event()
         self.env.run(until=done if horizon_s is None else simpy.AnyOf(
             self.env, [done, self.env.timeout(horizon_s)]))

@@ -15,6 +15,7 @@ at each one's capacity (the highest rate meeting the SLOs, bisection).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 from hyla.disagg.policy import RouterConfig
@@ -71,18 +72,30 @@ def published_deployments(*, homo_prefill: int = 10, prfaas_prefill: int = 3,
 
 def workload_maker(*, trace: str | None = None, length_scale: float = 1.0,
                    output_scale: float = 1.0, arrivals: str = "poisson", cv: float = 2.0,
-                   num_requests: int = 400, seed: int = 0
-                   ) -> Callable[[float], list[Request]]:
-    """``make(rate) -> requests``: the trace (or the synthetic mix) at ``rate`` requests/s.
+                   num_requests: int = 400, seed: int = 0, min_duration_s: float = 0.0,
+                   mix: SyntheticMix | None = None) -> Callable[[float], list[Request]]:
+    """``make(rate) -> requests``: the trace (or the synthetic ``mix``, default the published
+    setup's) at ``rate`` requests/s.
 
-    Lengths do not depend on the rate, so capacities compare like with like.
+    Lengths do not depend on the rate, and arrival times scale with it (the same seed: the
+    same pattern), so capacities compare like with like. ``min_duration_s``: at least
+    ``rate * min_duration_s`` requests (more than ``num_requests`` at high rates), so that a
+    run lasts long enough for queues to reach steady state; the first ``num_requests`` are
+    the same at every rate. ``seed`` draws the arrivals and the synthetic lengths, and picks
+    the trace window (seed 0: the trace's start).
     """
+    def n_at(rate):
+        return max(num_requests, math.ceil(rate * min_duration_s))
     if trace is None:
-        mix = SyntheticMix()
-        return lambda rate: mix.generate(num_requests, rate, arrivals, cv, seed)
-    return lambda rate: load_trace(trace, length_scale=length_scale, output_scale=output_scale,
-                                   rate=rate, arrivals=arrivals, cv=cv,
-                                   num_requests=num_requests, seed=seed)
+        mix = mix or SyntheticMix()
+        return lambda rate: mix.generate(n_at(rate), rate, arrivals, cv, seed)
+    skip = (seed * 3989) % 9973
+
+    def make(rate):
+        return load_trace(trace, length_scale=length_scale, output_scale=output_scale,
+                          rate=rate, arrivals=arrivals, cv=cv, num_requests=n_at(rate),
+                          seed=seed, skip=skip)
+    return make
 
 
 def compare(model: ModelSpec, deployments: dict[str, Deployment], make, *,
