@@ -23,25 +23,11 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+
+from hyla.ops.backend_base import Backend
 
 ENV_VAR = "HYLA_OPS_BACKEND"
 OPS = ("chunk_gla", "recurrent_gla", "chunk_gated_delta", "recurrent_gated_delta")
-
-
-@dataclass
-class Backend:
-    """A set of op implementations with hyla's signatures.
-
-    ``supports(op, args, kwargs)`` returns None when the backend can run that call, else a
-    short reason (used in the error when the backend is forced). Higher ``priority`` wins in
-    ``auto`` selection.
-    """
-
-    name: str
-    ops: dict[str, Callable] = field(default_factory=dict)
-    supports: Callable[[str, tuple, dict], str | None] = lambda op, args, kwargs: None
-    priority: int = 0
 
 
 _BACKENDS: dict[str, Backend] = {}

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
-from hyla.ops.backends import Backend
+from hyla.ops.backend_base import Backend
 from hyla.ops.deltanet.checks import check_delta_inputs, pop_aliases, resolve_decay
 from hyla.ops.gla.checks import check_gla_inputs, check_inplace, resolve_gate, write_back
 
