@@ -150,6 +150,21 @@ def completion_setup(req: CompletionRequest, prompts: list[list[int]], tok, max_
     return params, fmt
 
 
+async def chat_setup(req: ChatCompletionRequest, enc: PromptEncoder, tok, max_len: int,
+                     model_name: str) -> tuple[list[int], SamplingParams, Formatter]:
+    """A chat request's prompt ids, SamplingParams and Formatter (shared with the cluster
+    router)."""
+    ids, stops = await chat_token_ids(req, enc)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+        else req.max_tokens
+    params = sampling_params(req, len(ids), max_tokens, logprobs, max_len, stops,
+                             prompt_param="messages")
+    fmt = Formatter(tok, f"chatcmpl-{uuid.uuid4().hex}", model_name, chat=True,
+                    logprobs=logprobs, include_usage=wants_usage(req))
+    return ids, params, fmt
+
+
 async def chat_token_ids(req: ChatCompletionRequest, enc: PromptEncoder
                          ) -> tuple[list[int], tuple[str, ...]]:
     """A chat request's prompt ids and the stop strings its template implies; the template
@@ -308,14 +323,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_model(req.model)
         req.check_unsupported()
-        ids, stops = await chat_token_ids(req, enc)
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
-            else req.max_tokens
-        params = sampling_params(req, len(ids), max_tokens, logprobs, max_len, stops,
-                                 prompt_param="messages")
-        fmt = Formatter(tok, f"chatcmpl-{uuid.uuid4().hex}", model_name, chat=True,
-                        logprobs=logprobs, include_usage=wants_usage(req))
+        ids, params, fmt = await chat_setup(req, enc, tok, max_len, model_name)
         return await run(request, req, ids, params, fmt)
 
     add_tokenizer_routes(app, tok, max_len)

@@ -18,12 +18,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hyla.disagg.live.router import LiveRouter, WorkerFailed
 from hyla.serve.api import (
-    chat_token_ids,
+    chat_setup,
     completion_setup,
     prompt_token_ids,
-    sampling_params,
     validation_error,
-    wants_usage,
 )
 from hyla.serve.api_format import Formatter, Result
 from hyla.serve.api_limits import (
@@ -176,14 +174,7 @@ def create_router_app(router: LiveRouter, max_body_bytes: int = DEFAULT_MAX_BODY
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_model(req.model)
         req.check_unsupported()
-        ids, stops = await chat_token_ids(req, enc)
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
-            else req.max_tokens
-        params = sampling_params(req, len(ids), max_tokens, logprobs, cfg.max_model_len, stops,
-                           prompt_param="messages")
-        fmt = Formatter(tok, f"chatcmpl-{uuid.uuid4().hex}", cfg.model_name, chat=True,
-                        logprobs=logprobs, include_usage=wants_usage(req))
+        ids, params, fmt = await chat_setup(req, enc, tok, cfg.max_model_len, cfg.model_name)
         return await run(request, req, ids, params, fmt)
 
     add_tokenizer_routes(app, tok, cfg.max_model_len)
