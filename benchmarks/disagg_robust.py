@@ -142,7 +142,7 @@ def plot(path, rows) -> None:
         ax.axhline(0.97, color="red", lw=1, ls="--")
         ax.axhline(1.1, color="gray", lw=1, ls=":")
         labels = [f"{r['name']}{' bursty' if r['arrivals'] == 'gamma' else ''}"
-                  + (f" {r['link']:g}G" if a == "link" else "") for r in rs]
+                  + (f", {r['link']:g} Gbps" if a == "link" else "") for r in rs]
         ax.set_xticks(list(xs), labels, rotation=90, fontsize=6)
         ax.set_title({"base": "workloads (100 Gbps, MFU 45%)", "link": "link bandwidth",
                       "mfu": f"H200 MFU {CALIBRATED_MFU:.1%} (calibrated)"}[a], fontsize=9)
