@@ -48,6 +48,12 @@ class HylaConfig:
     qk_norm: bool = False                   # RMSNorm per head on q and k before rotary (Qwen3)
     rope_scaling: dict | None = None        # scaled RoPE: hyla.model.layers.rope_frequencies
     sliding_window: int | None = None       # attention sees the last `sliding_window` tokens
+    # Linearised attention (distillation students): a G layer with linear_window > 0 keeps
+    # the teacher's q/k/v/o, attends exactly to its last `linear_window` tokens and first
+    # `window_sinks` tokens, and mixes that with a normalised GLA branch over Hedgehog
+    # feature maps (hyla.model.mixers.window_gla). 0: plain GLA.
+    linear_window: int = 0
+    window_sinks: int = 4
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "ffn_dim", "gate_low_rank_dim"):
@@ -76,6 +82,10 @@ class HylaConfig:
             raise ValueError(f"attention_head_dim must be even (rotary pairs), "
                              f"got {self.attention_head_dim}")
         check_rope_scaling(self.rope_scaling)
+        for name in ("linear_window", "window_sinks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         for name, dim in (("expand_k", self.key_dim), ("expand_v", self.value_dim)):

@@ -21,11 +21,12 @@ The loop is :class:`hyla.train.loop.Loop`; the stages are its objectives
 
 from __future__ import annotations
 
+import math
 import pathlib
+import time
 import types
 
 import torch
-from torch import nn
 
 from hyla.data.packing import corpus_blocks
 from hyla.model.formats.checkpoint import save_checkpoint
@@ -37,9 +38,16 @@ from hyla.train.checkpointing import (
 )
 from hyla.train.config import wsd_lr_factor
 from hyla.train.distill_config import DistillConfig
-from hyla.train.distill_init import build_student, transfer_layers
-from hyla.train.distill_objectives import AttentionTransfer, VocabularyKL
+from hyla.train.distill_init import build_student, calibrate_student, transfer_layers
+from hyla.train.distill_objectives import (
+    AttentionTransfer,
+    Autocast,
+    VocabularyKL,
+    autocast_dtype,
+    new_parameters,
+)
 from hyla.train.loop import Loop, Stage
+from hyla.train.lora import add_lora, has_lora, lora_parameters, merge_lora
 from hyla.train.objectives import validation_loss
 from hyla.train.optim import run_optimizers
 
@@ -94,13 +102,21 @@ class Distiller:
         self.out = run_dir_of(resume) if resume else pathlib.Path(cfg.out)
         torch.manual_seed(cfg.seed)
         self.teacher, self.tokenizer = load_teacher(cfg.teacher)
-        self.model = build_student(self.teacher, cfg.layers, cfg.student_kv_heads)
+        self.model = build_student(self.teacher, cfg.layers, cfg.student_kv_heads,
+                                   window=cfg.window, sinks=cfg.sinks)
         self.model.activation_checkpointing = cfg.activation_checkpointing
         self.transfer = transfer_layers(self.teacher.cfg, self.model.cfg)
         self.stage1_steps = cfg.stage1_steps if self.transfer else 0  # nothing to transfer
         self.total_steps = self.stage1_steps + cfg.stage2_steps
+        self.autocast = autocast_dtype(cfg.autocast, next(self.model.parameters()).device)
+        self._teacher_val: float | None = None
         step = 0
+        if state is None and self.stage1_steps:
+            self.calibration = calibrate_student(self.teacher, self.model, self.transfer, cfg,
+                                                 self.tokenizer)
         if state is not None:
+            if any(".lora." in k for k in state["model"]):     # saved inside a LoRA stage 2
+                add_lora(self.model, cfg.lora_rank, cfg.lora_alpha)
             restore_weights(self.model, state, f"checkpoint in {self.out} does not match the "
                                                f"student")
             step = state["step"]
@@ -111,8 +127,17 @@ class Distiller:
         if state is not None:
             torch.set_rng_state(state["rng"])
         self.loop = Loop(out=self.out, cfg=cfg, model=self.model, tokenizer=self.tokenizer,
-                         stage=stage, total=self.total_steps, step=step,
-                         validate=lambda: validation_loss(self.model, self.tokenizer, cfg))
+                         stage=stage, total=self.total_steps, step=step, validate=self.validate)
+
+    def validate(self) -> dict:
+        """Validation loss and perplexity of the student, beside the teacher's (computed
+        once: it does not change)."""
+        student = validation_loss(self.model, self.tokenizer, self.cfg)
+        if self._teacher_val is None:
+            self._teacher_val = validation_loss(self.teacher, self.tokenizer, self.cfg)
+        return {"val_loss": student, "val_ppl": math.exp(student),
+                "teacher_val_loss": self._teacher_val,
+                "teacher_val_ppl": math.exp(self._teacher_val)}
 
     @property
     def step(self) -> int:
@@ -127,8 +152,12 @@ class Distiller:
         from ``state`` when it was saved inside this stage, fresh at the stage's first step)."""
         cfg = self.cfg
         stage = 1 if step < self.stage1_steps else 2
+        mixers = [self.model.blocks[i].mixer for i in self.transfer]
+        self.model.requires_grad_(False)
         if stage == 1:
-            trainable = nn.ModuleList(self.model.blocks[i].mixer for i in self.transfer)
+            # only what the teacher did not give (a linearised layer's feature maps, gates
+            # and mix), or the whole mixer where nothing was given
+            params = [p for m in mixers for p in new_parameters(m)]
             lrs = types.SimpleNamespace(optimizer=cfg.optimizer, lr=cfg.stage1_lr,
                                         muon_lr=cfg.stage1_muon_lr,
                                         weight_decay=cfg.weight_decay)
@@ -136,14 +165,25 @@ class Distiller:
             objective = AttentionTransfer(self.teacher, self.model, self.transfer,
                                           kl_weight=cfg.attn_kl_weight)
         else:
-            trainable, lrs = self.model, cfg
+            lrs = cfg
+            if cfg.lora_rank:
+                params = (lora_parameters(self.model) if has_lora(self.model) else
+                          add_lora(self.model, cfg.lora_rank, cfg.lora_alpha))
+                params += [p for m in mixers if hasattr(m, "new_parameters")
+                           for p in m.new_parameters()]
+                lrs = types.SimpleNamespace(optimizer="adamw", lr=cfg.lr,
+                                            weight_decay=cfg.weight_decay)
+            else:
+                params = list(self.model.parameters())
             steps, seq_len, start = cfg.stage2_steps, cfg.seq_len, self.stage1_steps
             objective = VocabularyKL(self.model, self.teacher, kl_weight=cfg.kl_weight,
                                      ce_weight=cfg.ce_weight, chunk=cfg.vocab_chunk,
                                      temperature=cfg.temperature)
-        self.model.requires_grad_(stage == 2)
-        trainable.requires_grad_(True)
-        optimizers = run_optimizers(trainable, lrs)
+        for p in params:
+            p.requires_grad_(True)
+        if self.autocast is not None:
+            objective = Autocast(objective, self.autocast)
+        optimizers = run_optimizers(self.model, lrs)
         sched = types.SimpleNamespace(steps=steps, warmup_steps=min(cfg.warmup_steps, steps),
                                       decay_fraction=cfg.decay_fraction)
         schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: wsd_lr_factor(s, sched))
@@ -163,6 +203,7 @@ class Distiller:
                      blocks=blocks, end=start + steps, batch_size=cfg.batch_size,
                      tokens_per_step=tokens, start=start,
                      tokens_before=start * cfg.stage1_tokens_per_step, clip=cfg.clip,
+                     eval_every=cfg.eval_every,
                      tags={"stage": stage}, label=f"distill stage {stage}",
                      then=self._end_stage1 if stage == 1 else None)
 
@@ -180,5 +221,19 @@ class Distiller:
         return self.loop.save()
 
     def fit(self, progress: bool = True, until: int | None = None) -> dict:
-        """Run both stages to the end (or to global step ``until``); returns the last record."""
-        return self.loop.fit(until=until, progress=progress)
+        """Run both stages to the end (or to global step ``until``); returns the last record.
+
+        At the end of the run, LoRA adapters are merged into the weights of the last
+        checkpoint (an ordinary model from then on) and, unless ``report_tokens`` is 0,
+        ``report.json`` is written (:func:`hyla.train.distill_report.write_report`)."""
+        start = time.perf_counter()
+        record = self.loop.fit(until=until, progress=progress)
+        if self.step == self.total_steps:
+            if has_lora(self.model):
+                merge_lora(self.model)
+                save_checkpoint(self.model, self.out / f"ckpt-{self.step:06d}", self.tokenizer)
+            if self.cfg.report_tokens:
+                from hyla.train.distill_report import write_report
+
+                write_report(self, train_seconds=time.perf_counter() - start)
+        return record

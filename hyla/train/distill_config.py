@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from hyla.train.config import OPTIMIZERS
 
+AUTOCAST = ("auto", "bf16", "off")
+
 
 @dataclass(kw_only=True)
 class DistillConfig:
@@ -27,6 +29,18 @@ class DistillConfig:
     layers: str = ""  # the student's layer mix, one letter per teacher layer
     out: str = "runs/distill"
     student_kv_heads: int | None = None  # None: the teacher's
+    # The student's G layers as linearised attention (hyla.model.mixers.window_gla): exact
+    # softmax over the last `window` tokens and the first `sinks`, plus a normalised GLA
+    # branch. 0: plain GLA layers (new projections, no window).
+    window: int = 0
+    sinks: int = 4
+    lora_rank: int = 0  # stage 2: LoRA of this rank on the mixers' q/k/v/o (0: full tuning)
+    lora_alpha: float = 16.0
+    eval_every: int = 0  # also print held-out perplexity every this many steps (0: stage ends)
+    autocast: str = "auto"  # bf16 autocast: "auto" (where bf16 matmuls are fast), "bf16", "off"
+    report_tokens: int = 16384  # held-out tokens a perplexity of report.json (0: no report)
+    report_trials: int = 8  # passkey trials a context length in report.json
+    eval_data: str | None = None  # held-out text of the report (None: the stdlib validation)
     data: str | None = None  # None: the embedded stdlib corpus
     stage1_steps: int = 100
     stage2_steps: int = 200
@@ -61,7 +75,8 @@ class DistillConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got "
                                  f"{getattr(self, name)}")
-        for name in ("stage1_steps", "stage2_steps", "warmup_steps", "shuffle_buffer"):
+        for name in ("stage1_steps", "stage2_steps", "warmup_steps", "shuffle_buffer", "window",
+                     "sinks", "lora_rank", "eval_every", "report_tokens", "report_trials"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 0, got "
                                  f"{getattr(self, name)}")
@@ -73,6 +88,10 @@ class DistillConfig:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.precision != "fp32":
             raise ValueError(f"precision must be 'fp32' for distillation, got {self.precision!r}")
+        if self.autocast not in AUTOCAST:
+            raise ValueError(f"autocast must be one of {AUTOCAST}, got {self.autocast!r}")
+        if self.lora_alpha <= 0:
+            raise ValueError(f"lora-alpha must be > 0, got {self.lora_alpha}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if not 0 <= self.decay_fraction <= 1:

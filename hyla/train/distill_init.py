@@ -20,9 +20,11 @@ from hyla.model import HylaConfig, HylaLM
 from hyla.model.mixers import MIXERS, AttentionMixer
 
 
-def student_config(teacher: HylaConfig, layers: str, kv_heads: int | None = None
-                   ) -> HylaConfig:
-    """The student's config: the teacher's shape with ``layers`` and ``kv_heads``.
+def student_config(teacher: HylaConfig, layers: str, kv_heads: int | None = None, *,
+                   window: int = 0, sinks: int = 4) -> HylaConfig:
+    """The student's config: the teacher's shape with ``layers`` and ``kv_heads``; with
+    ``window`` its ``G`` layers are linearised attention keeping the last ``window`` and
+    first ``sinks`` tokens exactly (``linear_window``, ``window_sinks``).
 
     Raises ValueError naming ``--layers`` or ``--student-kv-heads`` when they do not fit.
 
@@ -47,12 +49,15 @@ def student_config(teacher: HylaConfig, layers: str, kv_heads: int | None = None
         raise ValueError(f"--student-kv-heads must divide the teacher's {t_kv} KV heads, "
                          f"got {kv_heads!r}")
     return dataclasses.replace(teacher, layers=layers, n_kv_heads=kv_heads, expand_k=1.0,
-                               expand_v=1.0)
+                               expand_v=1.0, linear_window=window,
+                               window_sinks=sinks if window else teacher.window_sinks)
 
 
 @torch.no_grad()
-def build_student(teacher: HylaLM, layers: str, kv_heads: int | None = None) -> HylaLM:
-    """A student for ``teacher`` (all-attention) with the layer mix ``layers``.
+def build_student(teacher: HylaLM, layers: str, kv_heads: int | None = None, *,
+                  window: int = 0, sinks: int = 4) -> HylaLM:
+    """A student for ``teacher`` (all-attention) with the layer mix ``layers`` (``window``,
+    ``sinks``: see :func:`student_config`).
 
     Example:
         >>> from hyla.model import preset
@@ -62,7 +67,7 @@ def build_student(teacher: HylaLM, layers: str, kv_heads: int | None = None) -> 
         >>> torch.equal(s(ids), t(ids))
         True
     """
-    cfg = student_config(teacher.cfg, layers, kv_heads)
+    cfg = student_config(teacher.cfg, layers, kv_heads, window=window, sinks=sinks)
     p = next(teacher.parameters())
     student = HylaLM(cfg).to(device=p.device, dtype=p.dtype)
     student.embed.weight.copy_(teacher.embed.weight)
@@ -82,3 +87,37 @@ def transfer_layers(teacher_cfg: HylaConfig, student_cfg: HylaConfig) -> list[in
     from the teacher's attention (an A layer with the teacher's KV heads)."""
     return [i for i, c in enumerate(student_cfg.layers)
             if not MIXERS[c].copies_attention(teacher_cfg, student_cfg)]
+
+
+@torch.no_grad()
+def calibrate_student(teacher: HylaLM, student: HylaLM, transfer: list[int], cfg,
+                      tokenizer) -> dict:
+    """Set the teacher-derived parts of the student's linearised layers (their
+    ``calibrate``: the window/linear mix and the forget-gate timescales) from the teacher's
+    attention on one training block of ``cfg.stage1_len`` tokens; returns what each layer
+    took, by layer index. Layers without ``calibrate`` are left alone."""
+    from hyla.data.packing import corpus_blocks
+    from hyla.model import Context
+    from hyla.train.batches import next_batch
+
+    layers = [i for i in transfer if hasattr(student.blocks[i].mixer, "calibrate")]
+    if not layers:
+        return {}
+    blocks = corpus_blocks(cfg.data, tokenizer, cfg.stage1_len, split="train", seed=cfg.seed)
+    ids, _, cu = next_batch(blocks, 1)
+    device = next(teacher.parameters()).device
+    ids, cu = ids.to(device), cu.to(device)
+    ctx = Context.train(ids, cu)
+    seen: dict[int, torch.Tensor] = {}
+    hooks = [teacher.blocks[i].mixer.register_forward_hook(
+        lambda _m, args, _out, i=i: seen.__setitem__(i, args[0])) for i in layers]
+    try:
+        teacher(ids, ctx, hidden=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    found = {}
+    for i in layers:
+        q, k = teacher.blocks[i].mixer.attention_qk(seen.pop(i), ctx)
+        found[str(i)] = student.blocks[i].mixer.calibrate(q, k, ctx.positions)
+    return found

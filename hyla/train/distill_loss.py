@@ -86,6 +86,8 @@ class _ChunkedVocabKL(torch.autograd.Function):
     """Loss and gradients over the vocabulary, ``chunk`` rows at a time (see module doc)."""
 
     @staticmethod
+    @torch.autocast("cpu", enabled=False)       # the logits' softmaxes need float32
+    @torch.autocast("cuda", enabled=False)
     def forward(ctx, h_s, w_s, h_t, w_t, labels, kl_weight, ce_weight, chunk, temperature):
         N = h_s.shape[0]
         tau = temperature

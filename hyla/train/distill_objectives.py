@@ -83,6 +83,40 @@ class AttentionTransfer:
         return [list(self.student.blocks[i].mixer.parameters()) for i in self.transfer]
 
 
+def new_parameters(mixer: nn.Module) -> list[nn.Parameter]:
+    """What attention transfer trains in a student mixer: what it did not take from the
+    teacher (``mixer.new_parameters()``, for linearised attention), else all of it."""
+    own = getattr(mixer, "new_parameters", None)
+    return list(own()) if own is not None else list(mixer.parameters())
+
+
+def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
+    """bf16 under ``"bf16"``, or under ``"auto"`` where this device's bf16 matmuls are fast
+    (:func:`hyla.ops.hardware.fast_low_precision_matmul`); None (fp32) otherwise."""
+    from hyla.ops.hardware import fast_low_precision_matmul
+
+    if setting == "bf16" or (setting == "auto"
+                             and fast_low_precision_matmul(torch.bfloat16, device)):
+        return torch.bfloat16
+    return None
+
+
+class Autocast:
+    """An objective whose forward passes run under ``torch.autocast`` (weights, optimizer
+    states and the vocabulary KL stay float32)."""
+
+    def __init__(self, objective, dtype: torch.dtype):
+        self.objective, self.dtype = objective, dtype
+
+    def backward(self, batch: Batch, accum: int = 1) -> dict:
+        device = batch[0].device.type
+        with torch.autocast(device_type=device, dtype=self.dtype):
+            return self.objective.backward(batch, accum)
+
+    def clip_groups(self):
+        return self.objective.clip_groups()
+
+
 class VocabularyKL(LossObjective):
     """Stage 2: ``kl_weight * KL(teacher || student) + ce_weight * CE`` over the vocabulary,
     ``chunk`` tokens at a time (:func:`~hyla.train.distill_loss.chunked_vocab_kl`).

@@ -75,7 +75,8 @@ class Loop:
         stage: the current :class:`Stage`.
         total: the run's last step (all stages).
         step: the global step done so far (a resumed run's checkpoint step).
-        validate: returns the validation loss (``val_loss``); None: never validated.
+        validate: returns the validation loss (``val_loss``), or a dict of validation fields
+            holding it; None: never validated.
         rank, world: this process's rank and the number of ranks (``torchrun``).
 
     Example:
@@ -97,7 +98,7 @@ class Loop:
     """
 
     def __init__(self, *, out, cfg, model: torch.nn.Module, tokenizer, stage: Stage, total: int,
-                 step: int = 0, validate: Callable[[], float] | None = None, rank: int = 0,
+                 step: int = 0, validate: Callable[[], float | dict] | None = None, rank: int = 0,
                  world: int = 1):
         self.out, self.cfg, self.model, self.tokenizer = pathlib.Path(out), cfg, model, tokenizer
         self.stage, self.total, self.step = stage, total, step
@@ -169,7 +170,9 @@ class Loop:
                 stage_end = self.step == stage.end
                 if self.validate is not None and (
                         stage_end or (stage.eval_every and self.step % stage.eval_every == 0)):
-                    record["val_loss"] = self.validate()
+                    found = self.validate()
+                    # a float, or a dict of validation fields with "val_loss" among them
+                    record.update(found if isinstance(found, dict) else {"val_loss": found})
                 self.metrics.write(record)
                 bar.update(self.step, record, stage.label)
                 if self.step % self.cfg.save_every == 0 or stage_end or self.step == end:

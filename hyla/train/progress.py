@@ -51,3 +51,9 @@ class ProgressDisplay:
         if label is not None:
             fields["label"] = label
         self._bar.update(self._task, completed=step, **fields)
+        if "val_loss" in record and not self._bar.disable:
+            # evaluations stay on screen: one line each, every validation field
+            shown = "  ".join(f"{k} {v:.4g}" for k, v in record.items()
+                              if k.startswith(("val_", "teacher_val_")) and
+                              isinstance(v, float))
+            self._bar.console.print(f"step {step}: {shown}")

@@ -1,6 +1,7 @@
 """The layer kinds of a hybrid model, one module each, behind the :class:`Mixer` protocol.
 
-``G``: gated linear attention (:mod:`.gla`); ``A``: softmax attention (:mod:`.attention`);
+``G``: gated linear attention (:mod:`.gla`; with ``linear_window``, the linearised attention of
+:mod:`.window_gla`); ``A``: softmax attention (:mod:`.attention`);
 ``D`` (and ``K``, its per-key-channel decay): the gated delta rule (:mod:`.deltanet`).
 A new kind is one module that subclasses :class:`Mixer` and registers its letter.
 """
@@ -17,6 +18,8 @@ from hyla.model.mixers.base import (
 )
 from hyla.model.mixers.deltanet import GatedDeltaMixer, KDAMixer
 from hyla.model.mixers.gla import GLAMixer
+from hyla.model.mixers.window_gla import WindowedGLAMixer
 
 __all__ = ["MIXERS", "AttentionMixer", "GLAMixer", "GatedDeltaMixer", "KDAMixer", "Mixer",
-           "StateSpec", "TensorSpec", "layer_specs", "mixer_of_kind", "register_mixer"]
+           "StateSpec", "TensorSpec", "WindowedGLAMixer", "layer_specs", "mixer_of_kind",
+           "register_mixer"]

@@ -7,6 +7,7 @@ context length.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,13 @@ class GLAMixer(Mixer):
 
     kind = "gla"
     label = "GLA"
+    # The form built when cfg.linear_window > 0 (hyla.model.mixers.window_gla sets it).
+    windowed: ClassVar[type[GLAMixer] | None] = None
+
+    def __new__(cls, cfg, layer_idx: int = 0):
+        if cls is GLAMixer and cfg.linear_window and cls.windowed is not None:
+            cls = cls.windowed
+        return super().__new__(cls)
 
     def __init__(self, cfg, layer_idx: int = 0):
         super().__init__(cfg, layer_idx)
@@ -59,11 +67,15 @@ class GLAMixer(Mixer):
 
     @classmethod
     def state_spec(cls, cfg) -> StateSpec:
+        if cfg.linear_window and cls is GLAMixer:
+            return cls.windowed.state_spec(cfg)
         shape = (cfg.n_heads, cfg.head_k_dim, cfg.head_v_dim)
         return StateSpec(cls.kind, fixed=(TensorSpec("state", shape, torch.float32),))
 
     @classmethod
     def token_flops(cls, cfg) -> float:
+        if cfg.linear_window and cls is GLAMixer:
+            return cls.windowed.token_flops(cfg)
         return 4 * cfg.n_heads * cfg.head_k_dim * cfg.head_v_dim     # update + readout
 
     @torch.no_grad()
