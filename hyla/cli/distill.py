@@ -19,7 +19,8 @@ from hyla.cli.common import SOURCE_HELP
 from hyla.train.config import OPTIMIZERS
 from hyla.train.distill_config import DistillConfig
 
-_NONE_DEFAULT_TYPES = {"student_kv_heads": int, "stage1_seq_len": int, "data": str}
+_NONE_DEFAULT_TYPES = {"student_kv_heads": int, "stage1_seq_len": int, "data": str,
+                       "eval_data": str}
 _HELP = {
     "teacher": "an all-attention model: " + SOURCE_HELP,
     "layers": "the student's layer mix, one registered mixer letter (G, A, D, K) per teacher "

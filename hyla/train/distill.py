@@ -38,7 +38,13 @@ from hyla.train.checkpointing import (
 )
 from hyla.train.config import wsd_lr_factor
 from hyla.train.distill_config import DistillConfig
-from hyla.train.distill_init import build_student, calibrate_student, transfer_layers
+from hyla.train.distill_init import (
+    build_student,
+    calibrate_student,
+    probe_block,
+    transfer_layers,
+)
+from hyla.train.distill_layers import choose_layers
 from hyla.train.distill_objectives import (
     AttentionTransfer,
     Autocast,
@@ -102,7 +108,11 @@ class Distiller:
         self.out = run_dir_of(resume) if resume else pathlib.Path(cfg.out)
         torch.manual_seed(cfg.seed)
         self.teacher, self.tokenizer = load_teacher(cfg.teacher)
-        self.model = build_student(self.teacher, cfg.layers, cfg.student_kv_heads,
+        self.layers = cfg.layers
+        if cfg.layers.startswith("auto"):          # the teacher picks its attention layers
+            self.layers = choose_layers(self.teacher, cfg.layers, probe_block(cfg, self.tokenizer),
+                                        window=cfg.window or 64, sinks=cfg.sinks)
+        self.model = build_student(self.teacher, self.layers, cfg.student_kv_heads,
                                    window=cfg.window, sinks=cfg.sinks)
         self.model.activation_checkpointing = cfg.activation_checkpointing
         self.transfer = transfer_layers(self.teacher.cfg, self.model.cfg)

@@ -96,17 +96,13 @@ def calibrate_student(teacher: HylaLM, student: HylaLM, transfer: list[int], cfg
     ``calibrate``: the window/linear mix and the forget-gate timescales) from the teacher's
     attention on one training block of ``cfg.stage1_len`` tokens; returns what each layer
     took, by layer index. Layers without ``calibrate`` are left alone."""
-    from hyla.data.packing import corpus_blocks
     from hyla.model import Context
-    from hyla.train.batches import next_batch
 
     layers = [i for i in transfer if hasattr(student.blocks[i].mixer, "calibrate")]
     if not layers:
         return {}
-    blocks = corpus_blocks(cfg.data, tokenizer, cfg.stage1_len, split="train", seed=cfg.seed)
-    ids, _, cu = next_batch(blocks, 1)
     device = next(teacher.parameters()).device
-    ids, cu = ids.to(device), cu.to(device)
+    ids, cu = (x.to(device) for x in probe_block(cfg, tokenizer))
     ctx = Context.train(ids, cu)
     seen: dict[int, torch.Tensor] = {}
     hooks = [teacher.blocks[i].mixer.register_forward_hook(
@@ -121,3 +117,15 @@ def calibrate_student(teacher: HylaLM, student: HylaLM, transfer: list[int], cfg
         q, k = teacher.blocks[i].mixer.attention_qk(seen.pop(i), ctx)
         found[str(i)] = student.blocks[i].mixer.calibrate(q, k, ctx.positions)
     return found
+
+
+
+def probe_block(cfg, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids [1, stage1_len], cu_seqlens)``: the first training block, on which the teacher's
+    attention is measured before training (calibration, the choice of attention layers)."""
+    from hyla.data.packing import corpus_blocks
+    from hyla.train.batches import next_batch
+
+    blocks = corpus_blocks(cfg.data, tokenizer, cfg.stage1_len, split="train", seed=cfg.seed)
+    ids, _, cu = next_batch(blocks, 1)
+    return ids, cu
