@@ -86,8 +86,9 @@ def write_report(distiller, *, train_seconds: float) -> dict:
     ratio = {n: student["perplexity"][n]["perplexity"] / teacher["perplexity"][n]["perplexity"]
              for n in teacher["perplexity"]}
     report = {
-        "teacher": cfg.teacher, "layers": distiller.model.cfg.layers, "layers_asked": cfg.layers, "window": cfg.window,
-        "sinks": cfg.sinks, "lora_rank": cfg.lora_rank,
+        "teacher": cfg.teacher, "layers": distiller.model.cfg.layers,
+        "layers_asked": cfg.layers, "window": cfg.window, "sinks": cfg.sinks,
+        "lora_rank": cfg.lora_rank,
         "eval_data": cfg.eval_data or "stdlib validation split",
         "teacher_figures": teacher, "student_figures": student,
         "perplexity_ratio": ratio,
