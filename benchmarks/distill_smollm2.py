@@ -12,10 +12,12 @@ validation split's files interleaved with the software licences of ``/usr/share/
 licenses`` (English prose), each cut to its first 6,000 characters so code and prose
 alternate within the first 16K tokens; perplexity at 512 and 2,048 tokens.
 
-Also measured, side by side on the same machine: stage-1 throughput of hyla's earlier recipe
-(plain GLA student layers, the whole mixer trained, fp32): a few steps of each.
+Also measured, side by side in one process: each stage's throughput for hyla's earlier recipe
+(plain GLA layers, whole mixers in stage 1, full Muon fine-tuning in stage 2, fp32) and this
+one (new parameters only, LoRA, bf16 autocast where fast): a few steps of each.
 
-    python benchmarks/distill_smollm2.py --parallel       # both runs at once, 1 thread each
+    python benchmarks/distill_smollm2.py --parallel --only hybrid --only all-linear
+    python benchmarks/distill_smollm2.py --only hybrid-auto    # alone, 2 threads
     python benchmarks/distill_smollm2.py --collect         # tables + JSON + PNG from the runs
 
 Writes ``benchmarks/results/distill_smollm2.json`` and ``distill_smollm2.png``.
@@ -99,33 +101,40 @@ def launch(names, teacher, heldout, work, threads: int):
     return [p.wait() for p in procs]
 
 
-def old_recipe_throughput(teacher: pathlib.Path, steps: int = 4) -> dict:
-    """Stage-1 tokens/s of the earlier recipe (plain G layers, whole mixers, fp32) and of
-    this one, alternating in one process, medians of ``steps`` steps after one warm-up."""
+def recipe_throughput(teacher: pathlib.Path, steps: int = 4) -> dict:
+    """Tokens/s of each stage for the earlier recipe (plain G layers, whole mixers in stage
+    1, full fine-tuning with Muon in stage 2, fp32) and this one (windowed layers, new
+    parameters only, LoRA, bf16 autocast where fast), in one process on the same blocks of
+    512 tokens: medians of ``steps`` steps after one warm-up step of each stage."""
     import statistics
-
-    import torch
 
     from hyla.train.distill import Distiller
     from hyla.train.distill_config import DistillConfig
 
+    recipes = {"earlier": {"window": 0, "autocast": "off"},
+               "this": {"window": 64, "lora_rank": 8, "lr": 1e-3}}
     rates = {}
-    for label, extra in (("earlier (plain GLA, fp32)", {"window": 0, "autocast": "off"}),
-                         ("this (windowed, new parameters, autocast)", {"window": 64})):
+    for label, extra in recipes.items():
         cfg = DistillConfig(teacher=str(teacher), layers="G" * 30, stage1_steps=steps + 1,
-                            stage2_steps=1, seq_len=512, batch_size=1, report_tokens=0,
-                            shuffle_buffer=8, out=str(RESULTS / ".throughput"), **extra)
+                            stage2_steps=steps + 1, seq_len=512, batch_size=1,
+                            report_tokens=0, shuffle_buffer=8, eval_batches=1,
+                            out=str(RESULTS / ".throughput"), **extra)
         d = Distiller(cfg)
-        times = []
-        for i in range(steps + 1):
-            t = time.perf_counter()
-            d.train_step()
-            if i:
-                times.append(time.perf_counter() - t)
-        rates[label] = 512 / statistics.median(times)
+        for stage in ("1", "2"):
+            if stage == "2":
+                d.fit(until=steps + 1, progress=False)       # into stage 2
+            times = []
+            for i in range(steps + 1):
+                t = time.perf_counter()
+                d.train_step()
+                if i:
+                    times.append(time.perf_counter() - t)
+            rates[f"stage {stage}, {label}"] = 512 / statistics.median(times)
         del d
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    shutil.rmtree(RESULTS / ".throughput", ignore_errors=True)
+        shutil.rmtree(RESULTS / ".throughput", ignore_errors=True)
+    for stage in ("1", "2"):
+        rates[f"stage {stage} ratio"] = rates[f"stage {stage}, this"] / \
+            rates[f"stage {stage}, earlier"]
     return rates
 
 
@@ -142,7 +151,7 @@ def collect(work: pathlib.Path, throughput: dict | None) -> dict:
         rows[name] = report
     result = {"benchmark": "distill_smollm2", "machine": platform.processor() or platform.machine(),
               "cores": os.cpu_count(), "torch": torch.__version__,
-              "settings": SETTINGS, "students": rows, "stage1_throughput": throughput,
+              "settings": SETTINGS, "students": rows, "throughput": throughput,
               "heldout": "stdlib validation files + /usr/share/common-licenses, alternating, "
                          "6,000 characters each"}
     RESULTS.mkdir(exist_ok=True)
@@ -168,9 +177,9 @@ def print_table(result: dict) -> None:
               f"{r['stages']['1']['tokens_per_s_median']:8.0f} "
               f"{r['stages']['2']['tokens_per_s_median']:8.0f} "
               f"{r['train_seconds'] / 60:7.1f}")
-    if result.get("stage1_throughput"):
-        for label, rate in result["stage1_throughput"].items():
-            print(f"stage 1, {label}: {rate:.0f} tokens/s (2 threads, side by side)")
+    if result.get("throughput"):
+        for label, rate in result["throughput"].items():
+            print(f"{label}: {rate:.2f}" + ("" if "ratio" in label else " tokens/s"))
 
 
 def plot(result: dict) -> None:
@@ -215,7 +224,7 @@ def main() -> None:
                      for n in names]
         if any(codes):
             sys.exit(f"a distillation failed (exit codes {codes}); see {work}/*.log")
-    throughput = old_recipe_throughput(teacher, args.throughput_steps) \
+    throughput = recipe_throughput(teacher, args.throughput_steps) \
         if args.throughput_steps else None
     collect(work, throughput)
 

@@ -8,7 +8,8 @@ need: without them a windowed Llama's perplexity goes up ~8x). What a query can 
 number of keys, so a layer built on it keeps a fixed-size state.
 
 Queries are processed in blocks of ``block >= window`` rows; block ``b`` reads keys of blocks
-``b - 1`` and ``b`` plus the sink keys, so the cost and memory are O(T * (window + sinks)).
+``b - 1`` and ``b`` plus the sinks of the one document running from before them, so the cost
+and memory are O(T * (window + sinks)) however many documents a row packs.
 Tensors are [B, T, H, D]; keys and values may have fewer heads (grouped-query attention).
 """
 
@@ -88,48 +89,61 @@ def sink_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rep = H // k.shape[2]
     k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
 
-    # Shared keys every block reads: the cache and the new tokens that are sinks.
-    sink_idx = (positions < sinks).nonzero().squeeze(1) if sinks else positions[:0]
-    shared_k, shared_v = [k[:, sink_idx]], [v[:, sink_idx]]
-    shared_pos = [positions[sink_idx].expand(B, -1)]
-    shared_doc = [doc[sink_idx].expand(B, -1)]
+    # Keys every block reads: the cache (earlier tokens of this sequence: one document).
     if cache is not None:
         ck, cv, cpos = cache
-        shared_k.insert(0, ck.to(q.dtype).repeat_interleave(rep, 2))
-        shared_v.insert(0, cv.to(q.dtype).repeat_interleave(rep, 2))
-        shared_pos.insert(0, cpos.to(dev))
-        shared_doc.insert(0, torch.zeros_like(cpos, device=dev))
-    sk, sv = torch.cat(shared_k, 1), torch.cat(shared_v, 1)               # [B, E, H, D]
-    spos, sdoc = torch.cat(shared_pos, 1), torch.cat(shared_doc, 1)        # [B, E]
+        sk = ck.to(q.dtype).repeat_interleave(rep, 2)                      # [B, E, H, D]
+        sv = cv.to(q.dtype).repeat_interleave(rep, 2)
+        spos, sdoc = cpos.to(dev), torch.zeros_like(cpos, device=dev)       # [B, E]
+    else:
+        sk, sv = k[:, :0], v[:, :0]
+        spos = sdoc = torch.zeros(B, 0, dtype=torch.long, device=dev)
 
-    # Block keys: blocks b - 1 and b of the new tokens (sinks excluded: they are shared).
+    # Block b reads blocks b - 1 and b of the new tokens, which hold the sinks of every
+    # document starting there; the document already running at block b - 1's first key has
+    # its sinks further back: gathered, one document a block, so the cost stays O(T * W).
     kp = F.pad(k, (0, 0, 0, 0, blk, pad))                                 # [B, blk+T+pad, ...]
     vp = F.pad(v, (0, 0, 0, 0, blk, pad))
     pos_p = F.pad(positions, (blk, pad), value=-1)
     doc_p = F.pad(doc, (blk, pad), value=-2)
     qb = F.pad(q, (0, 0, 0, 0, 0, pad)).view(B, nb, blk, H, D)
+    first = (torch.arange(nb, device=dev) - 1) * blk                       # block b-1's start
+    t0 = first.clamp(min=0)
+    start = t0 - positions[t0]                                             # its document's
+    a = torch.arange(sinks, device=dev)
+    gidx = start[:, None] + a[None]                                        # [nb, S]
+    gok = (first[:, None] >= 0) & (gidx >= 0) & (gidx < first[:, None])
+    gidx = gidx.clamp(0, T - 1)
+    gk, gv = k[:, gidx], v[:, gidx]                                        # [B, nb, S, H, D]
+    gpos = torch.where(gok, a[None].expand(nb, -1), -1)
+    gdoc = doc[t0][:, None].expand(-1, sinks)
     idx = (torch.arange(nb, device=dev)[:, None] * blk
            + torch.arange(2 * blk, device=dev)[None])                      # [nb, 2 blk]
     wk, wv = kp[:, idx], vp[:, idx]                                        # [B, nb, 2blk, H, D]
     wpos, wdoc = pos_p[idx], doc_p[idx]                                    # [nb, 2 blk]
-    wpos = torch.where(wpos < sinks, -1, wpos)                             # counted as shared
     qpos = F.pad(positions, (0, pad), value=-1).view(nb, blk)
     qdoc = F.pad(doc, (0, pad), value=-3).view(nb, blk)
 
+    # scores in float32 (bf16 products rounded before the softmax lose ~10x accuracy)
     acc = torch.float32 if q.dtype != torch.float64 else torch.float64
-    s_win = torch.einsum("bnthd,bnshd->bnhts", qb, wk).to(acc) * scale      # [B,nb,H,blk,2blk]
-    s_sh = torch.einsum("bnthd,bshd->bnhts", qb, sk).to(acc) * scale        # [B,nb,H,blk,E]
-    m_win = visible(qpos, wpos, window, sinks) & (qdoc[:, :, None] == wdoc[:, None, :])
+    qa = qb.to(acc)
+    s_win = torch.einsum("bnthd,bnshd->bnhts", qa, wk.to(acc)) * scale    # [B,nb,H,blk,2blk]
+    s_snk = torch.einsum("bnthd,bnshd->bnhts", qa, gk.to(acc)) * scale    # [B,nb,H,blk,S]
+    s_sh = torch.einsum("bnthd,bshd->bnhts", qa, sk.to(acc)) * scale       # [B,nb,H,blk,E]
+    same = qdoc[:, :, None]
+    m_win = visible(qpos, wpos, window, sinks) & (same == wdoc[:, None, :])
+    m_snk = visible(qpos, gpos, window, sinks) & (same == gdoc[:, None, :])
     m_sh = (visible(qpos[None].expand(B, -1, -1).flatten(1), spos, window, sinks)
             & (qdoc.flatten()[None, :, None] == sdoc[:, None, :])).view(B, nb, blk, -1)
-    s_win = s_win.masked_fill(~m_win[None, :, None], _MASKED)
-    s_sh = s_sh.masked_fill(~m_sh[:, :, None], _MASKED)
-    scores = torch.cat([s_sh, s_win], -1)
+    scores = torch.cat([s_sh.masked_fill(~m_sh[:, :, None], _MASKED),
+                        s_snk.masked_fill(~m_snk[None, :, None], _MASKED),
+                        s_win.masked_fill(~m_win[None, :, None], _MASKED)], -1)
     lse = torch.logsumexp(scores, -1, keepdim=True)
     p = torch.exp(scores - lse).to(q.dtype)
-    E = sk.shape[1]
+    E, S = sk.shape[1], gk.shape[2]
     o = (torch.einsum("bnhts,bshd->bnthd", p[..., :E], sv)
-         + torch.einsum("bnhts,bnshd->bnthd", p[..., E:], wv))
+         + torch.einsum("bnhts,bnshd->bnthd", p[..., E:E + S], gv)
+         + torch.einsum("bnhts,bnshd->bnthd", p[..., E + S:], wv))
     o = o.reshape(B, nb * blk, H, -1)[:, :T]
     if return_lse:
         return o, lse.squeeze(-1).permute(0, 2, 1, 3).reshape(B, H, nb * blk)[..., :T]

@@ -21,6 +21,7 @@ The loop is :class:`hyla.train.loop.Loop`; the stages are its objectives
 
 from __future__ import annotations
 
+import json
 import math
 import pathlib
 import time
@@ -108,8 +109,14 @@ class Distiller:
         self.out = run_dir_of(resume) if resume else pathlib.Path(cfg.out)
         torch.manual_seed(cfg.seed)
         self.teacher, self.tokenizer = load_teacher(cfg.teacher)
+        if cfg.eval_data and cfg.report_tokens and not pathlib.Path(cfg.eval_data).exists():
+            raise ValueError(f"--eval-data {cfg.eval_data!r} does not exist (the report's "
+                             f"held-out text: a file or folder)")
         self.layers = cfg.layers
-        if cfg.layers.startswith("auto"):          # the teacher picks its attention layers
+        if state is not None:           # the pattern it was built with (auto:N chosen once)
+            self.layers = json.loads((pathlib.Path(state["resumed_from"]) / "config.json")
+                                     .read_text())["layers"]
+        elif cfg.layers.startswith("auto"):          # the teacher picks its attention layers
             self.layers = choose_layers(self.teacher, cfg.layers, probe_block(cfg, self.tokenizer),
                                         window=cfg.window or 64, sinks=cfg.sinks)
         self.model = build_student(self.teacher, self.layers, cfg.student_kv_heads,
@@ -121,16 +128,21 @@ class Distiller:
         self.autocast = autocast_dtype(cfg.autocast, next(self.model.parameters()).device)
         self._teacher_val: float | None = None
         step = 0
+        self.out.mkdir(parents=True, exist_ok=True)
+        calibration = self.out / "calibration.json"
+        self.calibration = None
         if state is None and self.stage1_steps:
             self.calibration = calibrate_student(self.teacher, self.model, self.transfer, cfg,
                                                  self.tokenizer)
+            calibration.write_text(json.dumps(self.calibration))
+        elif calibration.is_file():
+            self.calibration = json.loads(calibration.read_text())
         if state is not None:
             if any(".lora." in k for k in state["model"]):     # saved inside a LoRA stage 2
                 add_lora(self.model, cfg.lora_rank, cfg.lora_alpha)
             restore_weights(self.model, state, f"checkpoint in {self.out} does not match the "
                                                f"student")
             step = state["step"]
-        self.out.mkdir(parents=True, exist_ok=True)
         if hasattr(self.tokenizer, "save"):
             self.tokenizer.save(self.out / "tokenizer.json")
         stage = self._stage(step, state)
@@ -145,9 +157,9 @@ class Distiller:
         student = validation_loss(self.model, self.tokenizer, self.cfg)
         if self._teacher_val is None:
             self._teacher_val = validation_loss(self.teacher, self.tokenizer, self.cfg)
-        return {"val_loss": student, "val_ppl": math.exp(student),
+        return {"val_loss": student, "val_ppl": math.exp(min(student, 700.0)),
                 "teacher_val_loss": self._teacher_val,
-                "teacher_val_ppl": math.exp(self._teacher_val)}
+                "teacher_val_ppl": math.exp(min(self._teacher_val, 700.0))}
 
     @property
     def step(self) -> int:

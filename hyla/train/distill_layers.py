@@ -94,7 +94,8 @@ def choose_layers(teacher: HylaLM, spec: str, probe: tuple | None = None, *, win
     """A layer pattern from ``"auto:N"``: ``linear`` everywhere but ``N`` softmax attention
     layers, taken in turn from the induction and the reach rankings (module doc). ``probe``
     is ``(ids [1, T], cu_seqlens)`` of training text for the reach ranking (without it,
-    induction alone). Any other ``spec`` is returned as it is.
+    induction alone, as when its documents are no longer than the window). Any other
+    ``spec`` is returned as it is.
 
     Example:
         >>> import dataclasses
@@ -112,6 +113,8 @@ def choose_layers(teacher: HylaLM, spec: str, probe: tuple | None = None, *, win
         raise ValueError(f"--layers auto:N needs N in 0..{n} (softmax attention layers to "
                          f"keep), got {spec!r}")
     rankings = [induction_scores(teacher)]
+    if probe is not None and int(Context.train(*probe).positions.max()) < window:
+        probe = None                    # too short to see past the window: induction alone
     if probe is not None:
         rankings.append(far_attention(teacher, *probe, window=window, sinks=sinks))
     orders = [sorted(range(n), key=lambda i, s=s: -s[i]) for s in rankings]

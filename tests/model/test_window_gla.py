@@ -232,3 +232,33 @@ def test_hedgehog_is_positive_and_normalised():
     f = hedgehog(x, torch.randn(3, 8, 8))
     assert f.shape == (2, 5, 3, 16) and (f > 0).all()
     torch.testing.assert_close(f.sum(-1), torch.full((2, 5, 3), 2.0))
+
+
+def test_models_copy_and_pickle():
+    import copy
+    import pickle
+
+    for model in (_model(), HylaLM(preset("debug"))):
+        ids = torch.randint(0, 256, (1, 9))
+        with torch.no_grad():
+            want = model(ids)
+            for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+                assert type(other.blocks[0].mixer) is type(model.blocks[0].mixer)
+                assert torch.equal(other(ids), want)
+
+
+def test_dynamic_rope_matches_the_attention_layer_it_replaces():
+    cfg = dataclasses.replace(preset("debug"), layers="A", rope_scaling={
+        "rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 16})
+    torch.manual_seed(0)
+    teacher = HylaLM(cfg).eval()
+    student = build_student(teacher, "G", window=64, sinks=0).eval()
+    with torch.no_grad():
+        student.blocks[0].mixer.mix_proj.bias.fill_(40.0)          # the window alone
+        ids = torch.randint(0, 256, (1, 40))
+        torch.testing.assert_close(student(ids), teacher(ids), atol=1e-5, rtol=1e-5)
+        st = student.new_state()
+        student.prefill(ids[0, :30], st)
+        # dynamic RoPE scales by the length a forward sees: 31 tokens here
+        torch.testing.assert_close(student.decode(ids[0, 30:31], [st])[0],
+                                   teacher(ids[:, :31])[0, 30], atol=1e-5, rtol=1e-5)

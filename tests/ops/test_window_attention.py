@@ -116,3 +116,15 @@ def test_bad_shapes_are_named():
     q, k, v = rand(1, 5, 3, 2, 4)
     with pytest.raises(ValueError, match="H_kv"):
         sink_window_attention(q, k, v, torch.arange(5), window=2)
+
+
+def test_many_short_documents_across_blocks():
+    lengths = [3, 2, 50, 1, 1, 7, 30, 2, 40]
+    T = sum(lengths)
+    q, k, v = rand(1, T, 4, 2, 8, seed=3)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    for window, sinks in [(16, 4), (5, 3), (64, 4)]:
+        got = sink_window_attention(q, k, v, pos, window=window, sinks=sinks, cu_seqlens=cu)
+        torch.testing.assert_close(got, reference(q, k, v, pos, window, sinks, cu),
+                                   atol=1e-12, rtol=1e-10)

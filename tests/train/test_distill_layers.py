@@ -63,3 +63,9 @@ def test_distill_with_auto_layers(tmp_path):
     d.fit(progress=False)
     again = Distiller(resume=str(tmp_path / "s"))          # the same choice on resume
     assert again.model.cfg.layers == d.model.cfg.layers
+
+
+def test_a_probe_shorter_than_the_window_falls_back_to_induction():
+    t = _teacher()
+    short = (torch.randint(0, 256, (1, 20)), None)
+    assert choose_layers(t, "auto:2", short, window=64) == choose_layers(t, "auto:2")

@@ -125,3 +125,17 @@ def test_cli_names_the_bad_flag(teacher_dir, tmp_path, capsys, flag, value, matc
                  "--out", str(tmp_path / "x")])
     assert code == 2
     assert match in capsys.readouterr().err
+
+
+def test_missing_eval_data_is_refused_before_training(teacher_dir, tmp_path):
+    with pytest.raises(ValueError, match="--eval-data"):
+        Distiller(_cfg(teacher_dir, tmp_path / "e", report_tokens=512,
+                       eval_data=str(tmp_path / "nowhere")))
+
+
+def test_resume_keeps_the_calibration_and_the_chosen_layers(teacher_dir, tmp_path):
+    d = Distiller(_cfg(teacher_dir, tmp_path / "c", layers="auto:1"))
+    d.fit(progress=False, until=2)
+    again = Distiller(resume=str(tmp_path / "c"))
+    assert again.calibration == json.loads(json.dumps(d.calibration))
+    assert again.model.cfg.layers == d.model.cfg.layers

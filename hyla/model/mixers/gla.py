@@ -48,8 +48,9 @@ class GLAMixer(Mixer):
     # The form built when cfg.linear_window > 0 (hyla.model.mixers.window_gla sets it).
     windowed: ClassVar[type[GLAMixer] | None] = None
 
-    def __new__(cls, cfg, layer_idx: int = 0):
-        if cls is GLAMixer and cfg.linear_window and cls.windowed is not None:
+    def __new__(cls, cfg=None, *args, **kwargs):
+        # cfg None: copy / pickle re-creating an instance (they call __new__ bare)
+        if cls is GLAMixer and getattr(cfg, "linear_window", 0) and cls.windowed is not None:
             cls = cls.windowed
         return super().__new__(cls)
 

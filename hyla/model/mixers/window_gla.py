@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyla.model.layers import RMSNorm, apply_rotary
+from hyla.model.mixers.attention import AttentionMixer
 from hyla.model.mixers.base import StateSpec, TensorSpec, merge_kv_heads
 from hyla.model.mixers.gla import TIMESCALES, GLAMixer
 from hyla.ops.gla import chunk_gla, gla_decode_step
@@ -162,8 +163,11 @@ class WindowedGLAMixer(GLAMixer):
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         pos = ctx.positions if ctx.mode != "decode" else ctx.positions[:, None]
-        qr = apply_rotary(q, pos, c.rope_theta, c.rope_scaling)
-        kr = apply_rotary(k, pos, c.rope_theta, c.rope_scaling)
+        lengths = AttentionMixer._rope_lengths(self, ctx)          # dynamic RoPE, as A does
+        if lengths is not None and ctx.mode == "decode":
+            lengths = lengths[:, None]
+        qr = apply_rotary(q, pos, c.rope_theta, c.rope_scaling, lengths)
+        kr = apply_rotary(k, pos, c.rope_theta, c.rope_scaling, lengths)
         fq, fk, vv, gk = self._linear_inputs(x, q, k, v)
         if ctx.mode == "train":
             o_win = sink_window_attention(qr, kr, v, ctx.positions, window=c.linear_window,
