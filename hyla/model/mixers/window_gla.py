@@ -202,7 +202,7 @@ class WindowedGLAMixer(GLAMixer):
         gk = F.logsigmoid(self.gk_proj(x).float()) / self.cfg.gate_logit_normalizer
         return fq, fk, vv, gk.view(B, T, H, 2 * D)
 
-    def _cache(self, buf, rows, last: torch.Tensor):
+    def _held_tokens(self, buf, rows, last: torch.Tensor):
         """The sinks and window a sequence holds before its next token at position
         ``last + 1``: keys, values [N, E, H_kv, D] and positions [N, E] (-1: empty)."""
         c = self.cfg
@@ -227,7 +227,7 @@ class WindowedGLAMixer(GLAMixer):
             pos = ctx.positions[sl]
             cache = None
             if start:
-                ck, cv, cp = self._cache(buf, row[None], pos[:1] - 1)
+                ck, cv, cp = self._held_tokens(buf, row[None], pos[:1] - 1)
                 cache = (ck, cv, cp)
             outs.append(sink_window_attention(q[:, sl], k[:, sl], v[:, sl], pos,
                                               window=c.linear_window, sinks=c.window_sinks,
@@ -251,7 +251,7 @@ class WindowedGLAMixer(GLAMixer):
         only, so a compiled decode step has no graph break)."""
         c = self.cfg
         rows, P = ctx.slots, ctx.positions
-        ck, cv, cp = self._cache(buf, rows, P - 1)
+        ck, cv, cp = self._held_tokens(buf, rows, P - 1)
         keys = torch.cat([ck.to(q.dtype), k], 1)                    # [B, E + 1, H_kv, D]
         values = torch.cat([cv.to(q.dtype), v], 1)
         kpos = torch.cat([cp, P[:, None]], 1)
