@@ -34,7 +34,7 @@ from torch import nn
 
 from hyla.model.layers import RMSNorm, apply_rotary
 from hyla.model.mixers.attention import AttentionMixer
-from hyla.model.mixers.base import StateSpec, TensorSpec, merge_kv_heads
+from hyla.model.mixers.base import StateSpec, TensorSpec
 from hyla.model.mixers.gla import TIMESCALES, GLAMixer
 from hyla.ops.gla import chunk_gla, gla_decode_step
 from hyla.ops.window_attention import sink_window_attention
@@ -114,12 +114,7 @@ class WindowedGLAMixer(GLAMixer):
     def init_from_attention(self, teacher: nn.Module) -> None:
         """The teacher's q/k/v/o (and biases, q/k norms) as they are (with fewer KV heads, each
         the mean of its group, as the ``A`` mixer does); new parameters reset."""
-        heads, new = teacher.cfg.n_kv_heads, self.cfg.n_kv_heads
-        for name, tensor in teacher.state_dict().items():
-            if name.startswith(("k_proj.", "v_proj.")) and heads != new:
-                flat = tensor[:, None] if tensor.dim() == 1 else tensor
-                tensor = merge_kv_heads(flat, heads, new).reshape(-1, *tensor.shape[1:])
-            self.get_parameter(name).copy_(tensor)
+        AttentionMixer.init_from_attention(self, teacher)      # the same names, merged alike
         self.reset_new_parameters()
 
     @torch.no_grad()
