@@ -28,6 +28,7 @@ import time
 import types
 
 import torch
+from torch import nn
 
 from hyla.data.packing import corpus_blocks
 from hyla.model.formats.checkpoint import save_checkpoint
@@ -205,7 +206,8 @@ class Distiller:
             p.requires_grad_(True)
         if self.autocast is not None:
             objective = Autocast(objective, self.autocast)
-        optimizers = run_optimizers(self.model, lrs)
+        # stage 1 optimises the transferred mixers (as before: same optimizer layout)
+        optimizers = run_optimizers(nn.ModuleList(mixers) if stage == 1 else self.model, lrs)
         sched = types.SimpleNamespace(steps=steps, warmup_steps=min(cfg.warmup_steps, steps),
                                       decay_fraction=cfg.decay_fraction)
         schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: wsd_lr_factor(s, sched))
