@@ -97,6 +97,7 @@ def calibrate_student(teacher: HylaLM, student: HylaLM, transfer: list[int], cfg
     attention on one training block of ``cfg.stage1_len`` tokens; returns what each layer
     took, by layer index. Layers without ``calibrate`` are left alone."""
     from hyla.model import Context
+    from hyla.train.distill_layers import mixer_inputs
 
     layers = [i for i in transfer if hasattr(student.blocks[i].mixer, "calibrate")]
     if not layers:
@@ -104,14 +105,7 @@ def calibrate_student(teacher: HylaLM, student: HylaLM, transfer: list[int], cfg
     device = next(teacher.parameters()).device
     ids, cu = (x.to(device) for x in probe_block(cfg, tokenizer))
     ctx = Context.train(ids, cu)
-    seen: dict[int, torch.Tensor] = {}
-    hooks = [teacher.blocks[i].mixer.register_forward_hook(
-        lambda _m, args, _out, i=i: seen.__setitem__(i, args[0])) for i in layers]
-    try:
-        teacher(ids, ctx, hidden=True)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    seen = mixer_inputs(teacher, ids, ctx)
     found = {}
     for i in layers:
         q, k = teacher.blocks[i].mixer.attention_qk(seen.pop(i), ctx)

@@ -21,7 +21,8 @@ import torch
 from hyla.model import Context, HylaLM
 
 
-def _mixer_inputs(teacher: HylaLM, ids: torch.Tensor, ctx: Context) -> dict[int, torch.Tensor]:
+def mixer_inputs(teacher: HylaLM, ids: torch.Tensor, ctx: Context) -> dict[int, torch.Tensor]:
+    """What enters each mixer of ``teacher`` on ``ids`` (its normed hidden states), by layer."""
     seen: dict[int, torch.Tensor] = {}
     hooks = [b.mixer.register_forward_hook(lambda _m, args, _o, i=i: seen.__setitem__(i, args[0]))
              for i, b in enumerate(teacher.blocks)]
@@ -53,7 +54,7 @@ def induction_scores(teacher: HylaLM, *, length: int = 256, seed: int = 0) -> li
     device = next(teacher.parameters()).device
     ids = torch.cat([half, half])[None].to(device)
     ctx = Context.train(ids)
-    seen = _mixer_inputs(teacher, ids, ctx)
+    seen = mixer_inputs(teacher, ids, ctx)
     queries = torch.arange(length, 2 * length - 1, device=device)
     targets = queries - length + 1              # the token after the previous occurrence
     start = torch.zeros_like(queries)
@@ -71,7 +72,7 @@ def far_attention(teacher: HylaLM, ids: torch.Tensor, cu_seqlens: torch.Tensor |
     tokens and the first ``sinks`` of each document, for queries that have more than
     ``window`` tokens behind them (ids [1, T])."""
     ctx = Context.train(ids, cu_seqlens)
-    seen = _mixer_inputs(teacher, ids, ctx)
+    seen = mixer_inputs(teacher, ids, ctx)
     pos = ctx.positions
     queries = (pos >= 4 * window).nonzero().squeeze(1)
     if queries.numel() == 0:

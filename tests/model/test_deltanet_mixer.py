@@ -8,18 +8,18 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from layer_checks import (
+    check_engine_greedy_matches_model_loop,
+    check_prefill_only_hand_over,
+    check_prefix_cache_snapshots,
+)
 
 from hyla.disagg.sim.hardware import spec_from_config
 from hyla.eval.memory import memory_report, state_bytes
 from hyla.model import MIXERS, HylaLM, SequenceState, preset
 from hyla.model.formats.checkpoint import load_checkpoint, save_checkpoint
-from hyla.model.generate import generate
 from hyla.model.mixers.deltanet import CONV_KERNEL, GatedDeltaMixer, KDAMixer
-from hyla.serve.engine import Engine, EngineConfig
-from hyla.serve.sequence import SamplingParams
 from hyla.train.distill_init import build_student, transfer_layers
-
-GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 def _model(layers, seed=0):
@@ -86,44 +86,15 @@ def test_trains_one_step_every_parameter_moves():
 @pytest.mark.parametrize("cfg", [dict(), dict(max_num_batched_tokens=24, snapshot_interval=16,
                                               max_num_seqs=3)], ids=["plain", "chunked"])
 def test_engine_greedy_matches_model_loop(layers, cfg):
-    model = _model(layers)
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 3, 29, 50, 7)]
-    want = [generate(model, p, 8, temperature=0) for p in prompts]
-    eng = Engine(model, None, EngineConfig(max_model_len=96, **cfg))
-    assert [s.output_ids for s in eng.generate(prompts, GREEDY)] == want
-    assert eng.scheduler.pool.num_used == 0
+    check_engine_greedy_matches_model_loop(_model(layers), 4, **cfg)
 
 
 def test_prefix_cache_snapshots_carry_the_conv_window():
-    model = _model("GDA")
-    g = torch.Generator().manual_seed(5)
-    shared = torch.randint(0, 256, (70,), generator=g).tolist()
-    tails = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 5, 8)]
-    eng = Engine(model, None, EngineConfig(max_model_len=128, snapshot_interval=32))
-    eng.generate([shared + tails[0]], GREEDY)
-    seqs = eng.generate([shared + t for t in tails[1:]], GREEDY)
-    assert all(s.num_cached_tokens == 64 for s in seqs)
-    assert [s.output_ids for s in seqs] == [generate(model, shared + t, 8, temperature=0)
-                                            for t in tails[1:]]
+    check_prefix_cache_snapshots(_model("GDA"), 5)
 
 
 def test_prefill_only_state_ships_and_decodes_like_local():
-    model = _model("DKA")
-    prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(6)).tolist()
-    want = generate(model, prompt, 8, temperature=0)
-    pre = Engine(model, None, EngineConfig(max_model_len=48, max_num_batched_tokens=16))
-    pre.add_request(prompt, GREEDY, "p", prefill_only=True)
-    outs = []
-    while pre.has_unfinished():
-        outs += pre.step()
-    (o,) = outs
-    shipped = SequenceState.unflatten(o.state.flatten())
-    dec = Engine(model, None, EngineConfig(max_model_len=64))
-    seq = dec.add_prefilled(prompt, o.token_ids[0], shipped, GREEDY)
-    while dec.has_unfinished():
-        dec.step()
-    assert seq.output_ids == want
+    check_prefill_only_hand_over(_model("DKA"), 6)
 
 
 def test_state_bytes_memory_and_simulator_count_the_conv_window():

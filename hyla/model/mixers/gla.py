@@ -124,13 +124,9 @@ class GLAMixer(Mixer):
         return self.o_proj(o.reshape(B, T, c.value_dim))
 
 
-def slow_gate_bias(cfg) -> torch.Tensor:
-    """Gate biases [key_dim]: per head, key channels forget over 16 ... 4,096 tokens,
-    log-uniformly.
-
-    The log forget gate is ``logsigmoid(b) / normalizer``; a channel that keeps ``exp(-1 /
-    tau)`` of its memory a token needs ``logsigmoid(b) = -normalizer / tau``, i.e.
-    ``b = -log(expm1(normalizer / tau))``.
+def slow_gate_bias(cfg, channels: int | None = None) -> torch.Tensor:
+    """Gate biases [n_heads * channels] (``channels`` default ``head_k_dim``): per head, the
+    channels forget over 16 ... 4,096 tokens, log-uniformly (:func:`gate_bias`).
 
     Example:
         >>> from hyla.model.config import preset
@@ -138,6 +134,21 @@ def slow_gate_bias(cfg) -> torch.Tensor:
         torch.Size([32])
     """
     lo, hi = TIMESCALES
-    tau = torch.logspace(math.log10(lo), math.log10(hi), cfg.head_k_dim, dtype=torch.float64)
-    b = -torch.log(torch.expm1(cfg.gate_logit_normalizer / tau))
-    return b.repeat(cfg.n_heads).float()
+    tau = torch.logspace(math.log10(lo), math.log10(hi), channels or cfg.head_k_dim,
+                         dtype=torch.float64)
+    return gate_bias(tau.repeat(cfg.n_heads, 1), cfg.gate_logit_normalizer)
+
+
+def gate_bias(taus: torch.Tensor, normalizer: float) -> torch.Tensor:
+    """Gate biases [H * K] for channel timescales ``taus`` [H, K] (tokens).
+
+    The log forget gate is ``logsigmoid(b) / normalizer``; a channel that keeps ``exp(-1 /
+    tau)`` of its memory a token needs ``logsigmoid(b) = -normalizer / tau``, i.e.
+    ``b = -log(expm1(normalizer / tau))``.
+
+    Example:
+        >>> b = gate_bias(torch.tensor([[100.0]]), 16.0)
+        >>> round(float(F.logsigmoid(b) / 16 * 100), 4)
+        -1.0
+    """
+    return (-torch.log(torch.expm1(normalizer / taus.double()))).flatten().float()

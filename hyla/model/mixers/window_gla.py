@@ -35,9 +35,9 @@ from torch import nn
 from hyla.model.layers import RMSNorm, apply_rotary
 from hyla.model.mixers.attention import AttentionMixer
 from hyla.model.mixers.base import StateSpec, TensorSpec
-from hyla.model.mixers.gla import TIMESCALES, GLAMixer
+from hyla.model.mixers.gla import GLAMixer, gate_bias, slow_gate_bias
 from hyla.ops.gla import chunk_gla, gla_decode_step
-from hyla.ops.window_attention import sink_window_attention
+from hyla.ops.window_attention import sink_window_attention, visible
 
 
 class WindowedGLAMixer(GLAMixer):
@@ -83,9 +83,7 @@ class WindowedGLAMixer(GLAMixer):
         self.q_map.copy_(eye)
         self.k_map.copy_(eye)
         self.gk_proj[1].weight.zero_()
-        lo, hi = TIMESCALES
-        taus = torch.logspace(math.log10(lo), math.log10(hi), 2 * D, dtype=torch.float64)
-        self.gk_proj[1].bias.copy_(gate_bias(taus.repeat(H, 1), self.cfg.gate_logit_normalizer))
+        self.gk_proj[1].bias.copy_(slow_gate_bias(self.cfg, 2 * D))
         self.mix_proj.weight.zero_()
         self.mix_proj.bias.fill_(math.log(9.0))
 
@@ -220,10 +218,7 @@ class WindowedGLAMixer(GLAMixer):
             row = ctx.slots[j]
             sl = slice(s, s + n)
             pos = ctx.positions[sl]
-            cache = None
-            if start:
-                ck, cv, cp = self._held_tokens(buf, row[None], pos[:1] - 1)
-                cache = (ck, cv, cp)
+            cache = self._held_tokens(buf, row[None], pos[:1] - 1) if start else None
             outs.append(sink_window_attention(q[:, sl], k[:, sl], v[:, sl], pos,
                                               window=c.linear_window, sinks=c.window_sinks,
                                               cache=cache))
@@ -250,9 +245,9 @@ class WindowedGLAMixer(GLAMixer):
         keys = torch.cat([ck.to(q.dtype), k], 1)                    # [B, E + 1, H_kv, D]
         values = torch.cat([cv.to(q.dtype), v], 1)
         kpos = torch.cat([cp, P[:, None]], 1)
-        mask = ((kpos >= 0) & ((P[:, None] - kpos < c.linear_window) | (kpos < c.window_sinks)))
+        mask = visible(P[:, None], kpos, c.linear_window, c.window_sinks)      # [B, 1, E + 1]
         o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
-                                           values.transpose(1, 2), attn_mask=mask[:, None, None],
+                                           values.transpose(1, 2), attn_mask=mask[:, None],
                                            enable_gqa=keys.shape[2] != q.shape[2])
         S = c.window_sinks
         self._store(buf, rows, k[:, 0], v[:, 0], P % c.linear_window, "window")
@@ -278,18 +273,6 @@ def hedgehog(x: torch.Tensor, maps: torch.Tensor) -> torch.Tensor:
     """
     z = torch.einsum("bthd,hde->bthe", x, maps.to(x.dtype)).float()
     return torch.cat([z.softmax(-1), (-z).softmax(-1)], -1).to(x.dtype)
-
-
-def gate_bias(taus: torch.Tensor, normalizer: float) -> torch.Tensor:
-    """Gate biases [H * K] for channel timescales ``taus`` [H, K] (tokens): a channel keeping
-    ``exp(-1 / tau)`` a token needs ``logsigmoid(b) = -normalizer / tau``.
-
-    Example:
-        >>> b = gate_bias(torch.tensor([[100.0]]), 16.0)
-        >>> round(float(F.logsigmoid(b) / 16 * 100), 4)
-        -1.0
-    """
-    return (-torch.log(torch.expm1(normalizer / taus.double()))).flatten().float()
 
 
 GLAMixer.windowed = WindowedGLAMixer
