@@ -31,13 +31,14 @@ import dataclasses
 import pathlib
 import time
 
+from hyla.disagg.sim.capacity import fit_remote_mfu
 from hyla.disagg.sim.hardware import InstanceProfile, published_1t_hybrid
 from hyla.disagg.sim.kv_table import kv_table
 from hyla.disagg.sim.model import SimConfig
 from hyla.disagg.sim.report import best_of, grid, simulate_one
 from hyla.disagg.sim.setups import (
     PUBLISHED_INPUTS,
-    calibrate_remote_mfu,
+    PUBLISHED_NAIVE_VS_HOMOGENEOUS,
     compare,
     published_deployments,
     with_rate_range,
@@ -61,12 +62,13 @@ def study(label, make, grid_rates, thresholds, homo_splits, prfaas_splits, commo
     bh = best_of(g_h)
     calib, mfu = None, InstanceProfile(gpu="H200").mfu
     if calibrate:
-        calib = calibrate_remote_mfu(model, published_deployments(
-            homo_prefill=bh["local_prefill"]), make, cfg=cfg,
-            progress=lambda m: log(f"{label}: {m}"))
+        calib = fit_remote_mfu(model, published_deployments(), lambda seed: make, [0], cfg,
+                               target=PUBLISHED_NAIVE_VS_HOMOGENEOUS,
+                               progress=lambda m: log(f"{label}: {m}"))
         mfu = calib["remote_mfu"]
         # grid PrfaaS a little above the calibrated naive capacity
-        grid_rates = (grid_rates[0], 1.3 * calib["ratio"] * calib["homogeneous_capacity"])
+        grid_rates = (grid_rates[0],
+                      1.3 * calib["ratio"]["mean"] * calib["homogeneous"]["mean"])
     deps = published_deployments(remote_mfu=mfu)
     prfaas = deps["prfaas"]
     g_p = grid(model, dataclasses.replace(prfaas, policy=dataclasses.replace(prfaas.policy,

@@ -44,15 +44,21 @@ def add_simulate(sub) -> argparse.ArgumentParser:
     p.add_argument("--arrivals", default=None, choices=("trace", "poisson", "gamma"),
                    help="arrival process (default: trace timestamps if any, else poisson)")
     p.add_argument("--cv", type=positive_float, default=2.0, help="gamma arrivals' CV")
-    p.add_argument("--requests", type=int, default=400,
-                   help="requests a run, at least (default 400: SLO attainment within about "
-                        "+-0.015 at 90%%)")
-    p.add_argument("--min-duration", type=float, default=120.0, metavar="S",
+    p.add_argument("--requests", type=int, default=1600,
+                   help="requests a run, at least (default 1,600: with --seeds 5 the published "
+                        "setup's ratios come within +-5%% at 95%%; a 5-seed search takes about "
+                        "40 minutes on one core. --requests 400 --seeds 1 for a quick look)")
+    p.add_argument("--min-duration", type=float, default=480.0, metavar="S",
                    help="capacity search: a run has at least rate * S requests, so that its "
-                        "queues reach steady state (default 120 s)")
-    p.add_argument("--seeds", type=int, default=3,
+                        "queues reach steady state (default 480 s)")
+    p.add_argument("--screen-requests", type=int, default=400, metavar="N",
+                   help="capacity search: when below --requests, first screen every "
+                        "configuration on runs of N requests (the same first ones), then "
+                        "search the finalists of each family on full runs (default 400; 0: "
+                        "no screening)")
+    p.add_argument("--seeds", type=int, default=5,
                    help="capacity search: workload seeds (lengths, arrivals, trace window); "
-                        "capacities and ratios are means with 95%% intervals (default 3)")
+                        "capacities and ratios are means with 95%% intervals (default 5)")
     p.add_argument("--no-search", action="store_true",
                    help="capacity search: take --threshold, --homo-prefill and "
                         "--prfaas-prefill as they are (no long-timescale search)")
@@ -74,6 +80,10 @@ def add_simulate(sub) -> argparse.ArgumentParser:
     p.add_argument("--h200-mfu", type=positive_float, default=0.45,
                    help="achieved prefill MFU of the H200 cluster (default 0.45, as the H20s; "
                         "0.208 reproduces the published naive/homogeneous ratio, see README)")
+    p.add_argument("--fit-h200-mfu", type=positive_float, default=None, metavar="RATIO",
+                   help="capacity search: first fit the H200 MFU so that naive heterogeneous "
+                        "serves RATIO times homogeneous PD at its best split (mean over the "
+                        "seeds; the published ratio is 1.16), then compare at it")
     p.add_argument("--profile", default=None, metavar="JSON",
                    help="a measured profile (hyla profile): every instance, local and remote, "
                         "is then one engine process like the profiled one, serving its preset")
@@ -109,6 +119,8 @@ COMMANDS = {"simulate": add_simulate, "profile": add_profile, "kv-table": add_kv
 
 
 def run_simulate(args: argparse.Namespace, progress=None) -> dict:
+    import dataclasses
+
     from hyla.disagg.sim.hardware import published_1t_hybrid
     from hyla.disagg.sim.model import SimConfig
     from hyla.disagg.sim.setups import (
@@ -153,17 +165,41 @@ def run_simulate(args: argparse.Namespace, progress=None) -> dict:
     if args.min_duration < 0:
         raise ValueError(f"--min-duration must be >= 0 s, got {args.min_duration}")
 
-    def make_seed(seed, min_duration=args.min_duration):
+    if args.screen_requests and args.screen_requests < 10:
+        raise ValueError(f"--screen-requests must be 0 or >= 10, got {args.screen_requests}")
+    screening = 0 < args.screen_requests < args.requests
+
+    def make_seed(seed, min_duration=args.min_duration, n=args.requests):
         return workload_maker(trace=args.trace, length_scale=args.length_scale,
                               output_scale=args.output_scale, arrivals=arrivals, cv=args.cv,
-                              num_requests=args.requests, seed=seed,
-                              min_duration_s=min_duration)
+                              num_requests=n, seed=seed,
+                              min_duration_s=min_duration * n / args.requests)
+
+    def screen_seed(seed):
+        return make_seed(seed, n=args.screen_requests)
     make = make_seed(args.seed, 0.0)
     model = published_1t_hybrid()
     deps = {n: deps[n] for n in names}
     if args.profile is not None:
         model, deps = _measured(args.profile, deps)
     cfg = SimConfig(link_gbps=args.link_gbps)
+    calibration = None
+    if args.fit_h200_mfu is not None:
+        if args.rate is not None or args.profile is not None or \
+                not {"homogeneous", "naive"} <= set(names):
+            raise ValueError("--fit-h200-mfu needs the capacity search (no --rate, no "
+                             "--profile) and the homogeneous and naive deployments")
+        from hyla.disagg.sim.capacity import fit_remote_mfu
+
+        calibration = fit_remote_mfu(model, deps, make_seed,
+                                     list(range(args.seed, args.seed + args.seeds)), cfg,
+                                     target=args.fit_h200_mfu, rel_tol=args.rel_tol,
+                                     screen_seed=screen_seed if screening else None,
+                                     progress=progress)
+        args.h200_mfu = calibration["remote_mfu"]
+        deps = {n: d if d.remote is None else dataclasses.replace(
+            d, remote=dataclasses.replace(d.remote, mfu=args.h200_mfu))
+            for n, d in deps.items()}
     if args.rate is not None:
         res = compare(model, deps, make, rate=args.rate, cfg=cfg,
                       rate_range=with_rate_range(model, deps), progress=progress)
@@ -174,8 +210,9 @@ def run_simulate(args: argparse.Namespace, progress=None) -> dict:
                                list(range(args.seed, args.seed + args.seeds)), cfg,
                                search=not args.no_search, rel_tol=args.rel_tol,
                                fractions=fractions,
+                               screen_seed=screen_seed if screening else None,
                                progress=progress)
-    from hyla.disagg.sim.workload import describe
+    from hyla.disagg.sim.workload import SyntheticMix, describe
 
     return {"setup": args.setup, "model": model.to_dict(),
             "workload": {"trace": args.trace, "length_scale": args.length_scale,
@@ -184,7 +221,11 @@ def run_simulate(args: argparse.Namespace, progress=None) -> dict:
                          **describe(make(args.rate or 1.0))},
             "mode": "fixed rate" if args.rate else "capacity under SLOs",
             "link_gbps": args.link_gbps, "h200_mfu": args.h200_mfu, "inputs": PUBLISHED_INPUTS,
-            "profile": args.profile, **res}
+            "profile": args.profile, "calibration": calibration,
+            "search": {"requests": args.requests, "min_duration_s": args.min_duration,
+                       "screen_requests": args.screen_requests if screening else 0,
+                       "stratify": SyntheticMix().stratify if args.trace is None else None},
+            **res}
 
 
 def _measured(path: str, deps: dict) -> tuple:
@@ -297,6 +338,11 @@ def cmd_simulate(args: argparse.Namespace, out: Console) -> int:
             out.print(f"{k.replace('_', ' ')}: [bold]{v:.2f}x[/] throughput")
     else:
         n = len(res["seeds"])
+        if res.get("calibration"):
+            c = res["calibration"]
+            out.print(f"fitted H200 prefill MFU: [bold]{c['remote_mfu']:.1%}[/] of peak, where "
+                      f"naive / homogeneous is {_iv(c['ratio'], 'x')} (target "
+                      f"{c['target']:g}x; {len(c['steps'])} bisection steps)")
         out.print(capacity_table(res, f"{res['setup']} setup, capacity under SLOs, {n} "
                                  f"seed{'s' * (n > 1)} (metrics: seed {res['seeds'][0]})"))
         for k, v in res["ratios"].items():

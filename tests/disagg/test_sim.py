@@ -186,15 +186,42 @@ def test_workload_maker_is_rate_independent():
     assert b[-1].arrival < a[-1].arrival
 
 
-def test_calibrate_remote_mfu_bisects_toward_the_target_ratio():
-    from hyla.disagg.sim.setups import calibrate_remote_mfu
+def test_fit_remote_mfu_bisects_toward_the_target_ratio():
+    from hyla.disagg.sim.capacity import fit_remote_mfu
 
-    make = workload_maker(num_requests=20)
+    mix = SyntheticMix(prompt_median=4000, followup=0.0, output_median=8)
     deps = small_deps()
-    res = calibrate_remote_mfu(MODEL, deps, make, target=1.0, iters=3)
-    assert len(res["steps"]) == 3 and res["homogeneous_capacity"] > 0
+    res = fit_remote_mfu(MODEL, deps, lambda seed: workload_maker(
+        mix=mix, num_requests=20, seed=seed), [0, 1], target=1.0, iters=3, rel_tol=0.1)
+    assert len(res["steps"]) == 3 and res["homogeneous"]["mean"] > 0
+    assert res["homogeneous"]["n"] == 2 and res["ratio"]["n"] == 2
     first, second = res["steps"][:2]
-    assert first["remote_mfu"] == pytest.approx((0.02 + 0.45) / 2)
+    assert first["remote_mfu"] == pytest.approx((0.05 + 0.45) / 2)
     # bisection: a ratio above the target lowers the MFU tried next, one below raises it
-    assert (second["remote_mfu"] < first["remote_mfu"]) == (first["ratio"] > 1.0)
+    assert (second["remote_mfu"] < first["remote_mfu"]) == (first["ratio"]["mean"] > 1.0)
     assert res["remote_mfu"] in [s["remote_mfu"] for s in res["steps"]]
+    with pytest.raises(ValueError, match="lo < hi"):
+        fit_remote_mfu(MODEL, deps, None, [0], target=1.0, lo=0.5, hi=0.4)
+
+
+def test_synthetic_mix_stratified_blocks():
+    mix = SyntheticMix(followup=0.25)
+    a, b = mix.generate(250, 1.0, seed=3), mix.generate(400, 1.0, seed=3)
+    # fixed-size blocks: more requests leave the first ones as they were
+    assert [(r.prompt_len, r.output_len, r.prefix_len) for r in a] == \
+        [(r.prompt_len, r.output_len, r.prefix_len) for r in b[:250]]
+    # a block of 100 follow-up choices says "follow up" exactly 25 times (stratified; a
+    # follow-up whose context would pass max_len becomes a fresh request), where
+    # independent draws spread over about 17-33
+    for seed in range(5):
+        reqs = SyntheticMix(followup=0.25).generate(201, 1.0, seed=seed)
+        assert 20 <= sum(r.prefix_len > 0 for r in reqs[1:101]) <= 25
+    # the mean of 100 stratified prompt lengths varies less over seeds than independent ones
+    import statistics
+
+    def spread(block):
+        m = SyntheticMix(followup=0.0, stratify=block)
+        return statistics.pstdev(statistics.mean(r.prompt_len for r in m.generate(100, 1.0,
+                                                                                  seed=s))
+                                 for s in range(20))
+    assert spread(100) < 0.3 * spread(1)

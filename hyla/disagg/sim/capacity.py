@@ -37,6 +37,8 @@ Example (small deployments, few requests: the shape of the result, not a figure)
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
 
 from hyla.disagg.sim.hardware import step_time
@@ -85,11 +87,19 @@ def compare_capacity(model, deps: dict[str, Deployment],
                      seeds: list[int], cfg: SimConfig | None = None, *,
                      search: bool = True, fractions=(0.1, 0.25, 0.5, 0.75),
                      rel_tol: float = 0.02, keep: int = 4, configured: bool = True,
+                     screen_seed: Callable[[int], Callable[[float], list[Request]]] | None
+                     = None, finalists: int = 3,
                      progress: Callable[[str], None] | None = None) -> dict:
     """Per-seed capacities of ``deps`` (names ``homogeneous``, ``naive``, ``prfaas``; any
     subset), their 95% intervals, and per-seed ratios of PrfaaS to each baseline and to the
     better of the two. ``search=False`` takes every deployment as configured (no split or
     threshold search). ``make_seed(seed)(rate)``: the workload of that seed at that rate.
+
+    ``screen_seed``: a cheaper workload of the same seed (fewer requests; the same first
+    ones). A search over several configurations then runs twice: on the screen workload
+    over all of them, and on ``make_seed``'s over the ``finalists`` that went furthest in
+    the first (every family keeps its own finalists, so t = 0 and t = inf always reach the
+    second). The capacities reported are the second's.
 
     Returns ``{"seeds", "deployments": {name: {"capacity": interval, "per_seed": [...],
     "alternatives": {family: interval}, "choice": [labels]}}, "ratios": {name: interval}}``.
@@ -103,6 +113,18 @@ def compare_capacity(model, deps: dict[str, Deployment],
     for seed in seeds:
         make = make_seed(seed)
         probe = make(1.0)
+        screen = screen_seed(seed) if screen_seed is not None else None
+
+        def search(dep, cands, start, make=make, screen=screen):
+            if screen is not None and len(cands) > 1:
+                coarse = deployment_tournament(model, cfg, dep, cands, screen, start=start,
+                                               rel_tol=max(rel_tol, 0.05), keep=keep)
+                # furthest first: highest rate passed, then lowest rate missed
+                passed, failed = coarse["passed"], coarse["failed"]
+                cands = sorted(cands, key=lambda x: (-passed.get(x, 0.0),
+                                                     -failed.get(x, math.inf)))[:finalists]
+                start = coarse["capacity"] or start
+            return deployment_tournament(model, cfg, dep, cands, make, start=start, **kw)
 
         def start(name, dep, default=None, probe=probe):
             if name in prev:
@@ -118,9 +140,8 @@ def compare_capacity(model, deps: dict[str, Deployment],
         if "homogeneous" in deps:
             d = deps["homogeneous"]
             space = split_space(d) if search else [Choice()]
-            row["homogeneous"] = _slim(deployment_tournament(
-                model, cfg, d, space, make, start=start("homogeneous", d), **kw),
-                lambda c: c.label())
+            row["homogeneous"] = _slim(search(d, space, start("homogeneous", d)),
+                                       lambda c: c.label())
             say(f"seed {seed}: homogeneous {row['homogeneous']['capacity']:.3f} req/s "
                 f"({row['homogeneous']['choice']})")
         if "prfaas" in deps:
@@ -133,8 +154,7 @@ def compare_capacity(model, deps: dict[str, Deployment],
                     cands = [c for c in space if c.family == f]
                     s0 = prev.get(f"prfaas/{f}") or (base if f != "all local" else None) \
                         or start("prfaas", d)
-                    fam[f] = _slim(deployment_tournament(model, cfg, d, cands, make,
-                                                         start=s0, **kw), lambda c: c.label())
+                    fam[f] = _slim(search(d, cands, s0), lambda c: c.label())
                     prev[f"prfaas/{f}"] = fam[f]["capacity"] or s0
                     say(f"seed {seed}: prfaas {f} {fam[f]['capacity']:.3f} req/s "
                         f"({fam[f]['choice']})")
@@ -178,3 +198,45 @@ def compare_capacity(model, deps: dict[str, Deployment],
                     [x / y for x, y in zip(p, best, strict=True)])
     return {"seeds": list(seeds), "deployments": out, "ratios": ratios,
             "rel_tol": rel_tol, "fractions": list(fractions)}
+
+
+def fit_remote_mfu(model, deps: dict[str, Deployment],
+                   make_seed: Callable[[int], Callable[[float], list[Request]]],
+                   seeds: list[int], cfg: SimConfig | None = None, *, target: float,
+                   lo: float = 0.05, hi: float = 0.45, iters: int = 6, rel_tol: float = 0.02,
+                   screen_seed=None, progress: Callable[[str], None] | None = None) -> dict:
+    """The remote (H200) prefill MFU at which naive heterogeneous serves ``target`` times
+    the capacity of homogeneous PD at its best split, as the mean of per-seed ratios on
+    ``seeds`` (bisection on ``[lo, hi]``: naive's capacity grows with the MFU;
+    ``screen_seed`` as in :func:`compare_capacity`).
+
+    One published ratio fixes one unknown; every other ratio is then a prediction.
+    Returns ``{"remote_mfu", "ratio": interval, "target", "homogeneous": interval,
+    "steps": [{"remote_mfu", "ratio"}]}``; ``remote_mfu`` is the step whose mean ratio came
+    closest to ``target``.
+    """
+    if not 0 < lo < hi <= 1 or target <= 0 or iters < 1:
+        raise ValueError(f"need 0 < lo < hi <= 1, target > 0, iters >= 1; got {lo}, {hi}, "
+                         f"{target}, {iters}")
+    say = progress or (lambda s: None)
+    homo = compare_capacity(model, {"homogeneous": deps["homogeneous"]}, make_seed, seeds, cfg,
+                            rel_tol=rel_tol, screen_seed=screen_seed)
+    homo = homo["deployments"]["homogeneous"]
+    base = homo["capacity"]["values"]
+    steps = []
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        naive = dataclasses.replace(deps["naive"], remote=dataclasses.replace(
+            deps["naive"].remote, mfu=mid))
+        caps = compare_capacity(model, {"naive": naive}, make_seed, seeds, cfg,
+                                rel_tol=rel_tol)["deployments"]["naive"]["capacity"]["values"]
+        ratio = interval([c / b for c, b in zip(caps, base, strict=True)])
+        steps.append({"remote_mfu": mid, "ratio": ratio})
+        say(f"remote MFU {mid:.3f}: naive / homogeneous {ratio['mean']:.3f}")
+        if ratio["mean"] > target:
+            hi = mid
+        else:
+            lo = mid
+    best = min(steps, key=lambda r: abs(r["ratio"]["mean"] - target))
+    return {"remote_mfu": best["remote_mfu"], "ratio": best["ratio"], "target": target,
+            "homogeneous": homo["capacity"], "steps": steps}

@@ -4,10 +4,12 @@
 ``attainment`` (90%) of the requests meet both SLOs. Every rate runs the *same* requests
 (lengths and arrival pattern from the seed, arrival times scaled by the rate: common random
 numbers), so runs at different rates, and of different deployments, differ only in what is
-compared. The search brackets the capacity (geometric steps of ``growth`` from ``start``)
-and bisects it on a log scale until ``hi / lo <= 1 + rel_tol``; it is deterministic
-(repeatable) and assumes attainment falls with the rate (monotone). A run stops as soon as
-its verdict is certain (:meth:`hyla.disagg.sim.model.Sim.run`, ``stop_below``).
+compared. Rates lie on one geometric grid, ``(1 + rel_tol) ** k``: the search brackets the
+capacity (steps of about ``growth`` from ``start``) and bisects on the grid until the
+highest rate passed and the lowest missed are neighbours. It is deterministic (repeatable),
+does not depend on where it started, and assumes attainment falls with the rate
+(monotone). A run stops as soon as its verdict is certain
+(:meth:`hyla.disagg.sim.model.Sim.run`, ``stop_below``).
 
 **Tournament** (:func:`tournament`): the capacity of the best of several configurations,
 the same bisection where a rate passes when *any* alive configuration meets the SLOs there.
@@ -177,18 +179,26 @@ def tournament(configs: dict[Hashable, Callable[[float], dict]], *, start: float
     if start <= 0 or growth <= 1 or rel_tol <= 0:
         raise ValueError(f"need start > 0, growth > 1, rel_tol > 0; got {start}, {growth}, "
                          f"{rel_tol}")
+    # Rates live on one geometric grid, (1 + rel_tol) ** k, whatever the start: the result
+    # is the highest grid rate passed, so two searches of one configuration from different
+    # starts agree (a deployment and the same one inside a larger space give one figure).
+    step = math.log1p(rel_tol)
+    jump = max(1, round(math.log(growth) / step))
+    k = round(math.log(start) / step)
+    k_min, k_max = math.floor(math.log(min_rate) / step), math.ceil(math.log(max_rate) / step)
     alive = list(configs)
-    lo, hi, best, best_m = 0.0, math.inf, None, None
+    klo, khi, best, best_m = None, None, None, None
     passed: dict = {}
     failed: dict = {}
-    steps, runs, rate = [], 0, start
+    steps, runs = [], 0
     while True:
+        rate = math.exp(k * step)
         res = {c: configs[c](rate) for c in alive}
         runs += len(alive)
         ok = [c for c in alive if res[c]["slo_attainment"] >= attainment]
         steps.append({"rate": rate, "alive": len(alive), "passed": len(ok)})
         if ok:
-            lo = rate
+            klo = k
             best = max(ok, key=lambda c: (res[c]["slo_attainment"],
                                           -(res[c].get("ttft_p90_s") or 0.0)))
             best_m = res[best]
@@ -199,24 +209,25 @@ def tournament(configs: dict[Hashable, Callable[[float], dict]], *, start: float
                     failed[c] = min(failed.get(c, math.inf), rate)
             alive = ok
         else:
-            hi = rate
+            khi = k
             for c in alive:
                 failed[c] = min(failed.get(c, math.inf), rate)
             if len(alive) > keep:
                 ranked = sorted(alive, key=lambda c: -res[c]["slo_attainment"])
                 alive = [c for c in alive if c in ranked[:keep] or c in pinned]
-        if hi == math.inf:
-            rate *= growth
-            if rate > max_rate:
+        if khi is None:
+            k += jump
+            if k > k_max:
                 break
-        elif lo == 0.0:
-            rate /= growth
-            if rate < min_rate:
+        elif klo is None:
+            k -= jump
+            if k < k_min:
                 break
-        elif hi / lo <= 1 + rel_tol:
+        elif khi - klo <= 1:
             break
         else:
-            rate = math.sqrt(lo * hi)
+            k = (klo + khi) // 2
+    lo = 0.0 if klo is None else math.exp(klo * step)
     return {"capacity": lo, "choice": best, "metrics": best_m, "passed": passed,
             "failed": failed, "runs": runs, "steps": steps}
 

@@ -145,36 +145,3 @@ def with_rate_range(model: ModelSpec, deps: dict[str, Deployment]) -> tuple[floa
 
 def scaled(dep: Deployment, **kw) -> Deployment:
     return dataclasses.replace(dep, **kw)
-
-
-def calibrate_remote_mfu(model: ModelSpec, deps: dict[str, Deployment], make, *,
-                         target: float = PUBLISHED_NAIVE_VS_HOMOGENEOUS,
-                         cfg: SimConfig | None = None, lo: float = 0.02, hi: float = 0.45,
-                         iters: int = 6, progress: Callable[[str], None] | None = None
-                         ) -> dict:
-    """The remote (H200) prefill MFU at which naive heterogeneous serves ``target`` times
-    the capacity of homogeneous PD, by bisection (naive's capacity grows with it).
-
-    One published ratio fixes one unknown; the other ratios are then predictions.
-    Returns ``{"remote_mfu", "ratio", "homogeneous_capacity", "steps"}``.
-    """
-    cfg = cfg or SimConfig()
-    rng = with_rate_range(model, deps)
-    homo, _ = capacity(model, deps["homogeneous"], cfg, make, *rng, iters=8)
-    steps = []
-    for _ in range(iters):
-        mid = (lo + hi) / 2
-        naive = dataclasses.replace(deps["naive"], remote=dataclasses.replace(
-            deps["naive"].remote, mfu=mid))
-        cap, _ = capacity(model, naive, cfg, make, *rng, iters=8)
-        ratio = cap / homo
-        steps.append({"remote_mfu": mid, "naive_capacity": cap, "ratio": ratio})
-        if progress:
-            progress(f"remote MFU {mid:.3f}: naive / homogeneous {ratio:.2f}")
-        if ratio > target:
-            hi = mid
-        else:
-            lo = mid
-    best = min(steps, key=lambda r: abs(r["ratio"] - target))
-    return {"remote_mfu": best["remote_mfu"], "ratio": best["ratio"],
-            "homogeneous_capacity": homo, "steps": steps}

@@ -20,6 +20,7 @@ import math
 import pathlib
 import random
 from dataclasses import dataclass
+from statistics import NormalDist
 
 from hyla.disagg.sim.traces import trace_path
 
@@ -117,6 +118,10 @@ class SyntheticMix:
     prefix cache can serve the shared part. Outputs are log-normal (median
     ``output_median``). The medians are chosen so that about half of the requests exceed the
     published optimum threshold of 19.4K incremental tokens, as the paper reports.
+
+    ``stratify``: lengths and the follow-up choice are drawn stratified in blocks of this
+    many requests (see :class:`_Deviates`; 1: independent draws), so that seeds differ in
+    order and arrivals far more than in how much work they hold.
     """
 
     prompt_median: int = 28_000
@@ -127,6 +132,7 @@ class SyntheticMix:
     output_median: int = 600
     output_sigma: float = 0.8
     max_len: int = 131_072
+    stratify: int = 100
 
     def generate(self, n: int, rate: float, arrivals: str = "poisson", cv: float = 2.0,
                  seed: int = 0) -> list[Request]:
@@ -134,23 +140,59 @@ class SyntheticMix:
         ts = arrival_times(n, rate, arrivals, cv, seed)
         out: list[Request] = []
         sessions: list[tuple[int, int]] = []   # (session id, context after its last turn)
+        draws = _Deviates(rng, self.stratify)
 
-        def logn(median, sigma, lo, hi):
-            return int(min(hi, max(lo, median * math.exp(sigma * rng.gauss(0, 1)))))
+        def logn(kind, median, sigma, lo, hi):
+            return int(min(hi, max(lo, median * math.exp(sigma * draws.normal(kind)))))
         for i, t in enumerate(ts):
-            olen = logn(self.output_median, self.output_sigma, 8, 16_384)
-            if sessions and rng.random() < self.followup:
+            olen = logn("output", self.output_median, self.output_sigma, 8, 16_384)
+            if sessions and draws.uniform("followup") < self.followup:
                 j = rng.randrange(len(sessions))
                 sid, ctx = sessions[j]
-                plen = ctx + logn(self.turn_median, self.turn_sigma, 16, 32_768)
+                plen = ctx + logn("turn", self.turn_median, self.turn_sigma, 16, 32_768)
                 if plen <= self.max_len:
                     out.append(Request(i, t, plen, olen, sid, ctx))
                     sessions[j] = (sid, plen + olen)
                     continue
-            plen = logn(self.prompt_median, self.prompt_sigma, 128, self.max_len)
+            plen = logn("prompt", self.prompt_median, self.prompt_sigma, 128, self.max_len)
             out.append(Request(i, t, plen, olen, i, 0))
             sessions.append((i, plen + olen))
         return out
+
+
+class _Deviates:
+    """Uniform and normal deviates, one stream per kind, stratified in blocks of ``block``
+    draws (each block holds one draw from each of ``block`` equal-probability strata, in a
+    random order; 0 or 1: plain independent draws).
+
+    Stratification is a variance reduction: a block's lengths follow the distribution's
+    quantiles instead of clustering by chance, so the workload's total prefill work (what
+    a capacity is most sensitive to) varies far less from seed to seed, and capacities and
+    their ratios need fewer requests for the same interval. Blocks are fixed-size, so the
+    first ``k`` blocks are the same however many requests are drawn (common random numbers
+    across rates hold).
+    """
+
+    _NORMAL = NormalDist()
+
+    def __init__(self, rng: random.Random, block: int):
+        self.rng, self.block = rng, max(1, block)
+        self.pending: dict[str, list[float]] = {}
+
+    def uniform(self, kind: str) -> float:
+        if self.block == 1:
+            return self.rng.random()
+        q = self.pending.get(kind)
+        if not q:
+            q = [(i + self.rng.random()) / self.block for i in range(self.block)]
+            self.rng.shuffle(q)
+            self.pending[kind] = q
+        return q.pop()
+
+    def normal(self, kind: str) -> float:
+        if self.block == 1:
+            return self.rng.gauss(0, 1)
+        return self._NORMAL.inv_cdf(min(max(self.uniform(kind), 1e-12), 1 - 1e-12))
 
 
 def describe(requests: list[Request]) -> dict:
