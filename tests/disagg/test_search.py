@@ -180,3 +180,30 @@ def test_cli_capacity_shows_the_choice_beside_the_alternatives(tmp_path, capsys,
     assert r["n"] == 2 and r["lo"] <= r["mean"] <= r["hi"] and r["mean"] >= 1.0 - 1e-9
     assert set(res["deployments"]["prfaas"]["alternatives"]) == {
         "all remote", "all local", "threshold", "configured"}
+
+
+def test_cli_fits_the_h200_mfu_and_refuses_bad_search_flags(tmp_path, capsys, monkeypatch):
+    import json
+
+    from hyla.cli import main
+
+    monkeypatch.setenv("COLUMNS", "250")
+    out = tmp_path / "fit.json"
+    assert main(["simulate", "--trace", "azure-conv", "--length-scale", "8", "--requests",
+                 "20", "--screen-requests", "10", "--seeds", "2", "--min-duration", "5",
+                 "--rel-tol", "0.1", "--deployments", "homogeneous,naive",
+                 "--fit-h200-mfu", "1.16", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    c = res["calibration"]
+    assert res["h200_mfu"] == c["remote_mfu"] and 0.05 < c["remote_mfu"] < 0.45
+    assert c["target"] == 1.16 and len(c["steps"]) == 6 and c["ratio"]["n"] == 2
+    assert res["search"] == {"requests": 20, "min_duration_s": 5.0, "screen_requests": 10,
+                             "stratify": None}
+    assert "fitted H200 prefill MFU" in capsys.readouterr().out
+    for bad, word in ((["--screen-requests", "3"], "--screen-requests"),
+                      (["--fit-h200-mfu", "1.2", "--rate", "1"], "--fit-h200-mfu"),
+                      (["--fit-h200-mfu", "1.2", "--deployments", "naive,prfaas"],
+                       "--fit-h200-mfu"),
+                      (["--fit-h200-mfu", "-1"], "--fit-h200-mfu")):
+        assert main(["simulate", "--requests", "10", *bad]) == 2
+        assert word in capsys.readouterr().err
