@@ -223,6 +223,9 @@ def fit_remote_mfu(model, deps: dict[str, Deployment],
                             rel_tol=rel_tol, screen_seed=screen_seed)
     homo = homo["deployments"]["homogeneous"]
     base = homo["capacity"]["values"]
+    if not all(base):
+        raise ValueError(f"homogeneous PD meets the SLOs at no rate on some seed ({base}): "
+                         "nothing to fit a ratio to")
     steps = []
     for _ in range(iters):
         mid = (lo + hi) / 2
