@@ -80,7 +80,7 @@ def add_simulate(sub) -> argparse.ArgumentParser:
     p.add_argument("--link-gbps", type=positive_float, default=100.0)
     p.add_argument("--h200-mfu", type=positive_float, default=0.45,
                    help="achieved prefill MFU of the H200 cluster (default 0.45, as the H20s; "
-                        "0.208 reproduces the published naive/homogeneous ratio, see README)")
+                        "--fit-h200-mfu fits it to a published ratio, see README)")
     p.add_argument("--fit-h200-mfu", type=positive_float, default=None, metavar="RATIO",
                    help="capacity search: first fit the H200 MFU so that naive heterogeneous "
                         "serves RATIO times homogeneous PD at its best split (mean over the "
