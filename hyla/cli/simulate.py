@@ -120,8 +120,6 @@ COMMANDS = {"simulate": add_simulate, "profile": add_profile, "kv-table": add_kv
 
 
 def run_simulate(args: argparse.Namespace, progress=None) -> dict:
-    import dataclasses
-
     from hyla.disagg.sim.hardware import published_1t_hybrid
     from hyla.disagg.sim.model import SimConfig
     from hyla.disagg.sim.setups import (
@@ -190,7 +188,7 @@ def run_simulate(args: argparse.Namespace, progress=None) -> dict:
                 not {"homogeneous", "naive"} <= set(names):
             raise ValueError("--fit-h200-mfu needs the capacity search (no --rate, no "
                              "--profile) and the homogeneous and naive deployments")
-        from hyla.disagg.sim.capacity import fit_remote_mfu
+        from hyla.disagg.sim.capacity import fit_remote_mfu, with_remote_mfu
 
         calibration = fit_remote_mfu(model, deps, make_seed,
                                      list(range(args.seed, args.seed + args.seeds)), cfg,
@@ -198,9 +196,7 @@ def run_simulate(args: argparse.Namespace, progress=None) -> dict:
                                      screen_seed=screen_seed if screening else None,
                                      progress=progress)
         args.h200_mfu = calibration["remote_mfu"]
-        deps = {n: d if d.remote is None else dataclasses.replace(
-            d, remote=dataclasses.replace(d.remote, mfu=args.h200_mfu))
-            for n, d in deps.items()}
+        deps = {n: with_remote_mfu(d, args.h200_mfu) for n, d in deps.items()}
     if args.rate is not None:
         res = compare(model, deps, make, rate=args.rate, cfg=cfg,
                       rate_range=with_rate_range(model, deps), progress=progress)

@@ -200,6 +200,13 @@ def compare_capacity(model, deps: dict[str, Deployment],
             "rel_tol": rel_tol, "fractions": list(fractions)}
 
 
+def with_remote_mfu(dep: Deployment, mfu: float) -> Deployment:
+    """``dep`` with its remote prefill cluster at ``mfu`` (a deployment without one as is)."""
+    if dep.remote is None:
+        return dep
+    return dataclasses.replace(dep, remote=dataclasses.replace(dep.remote, mfu=mfu))
+
+
 def fit_remote_mfu(model, deps: dict[str, Deployment],
                    make_seed: Callable[[int], Callable[[float], list[Request]]],
                    seeds: list[int], cfg: SimConfig | None = None, *, target: float,
@@ -229,10 +236,9 @@ def fit_remote_mfu(model, deps: dict[str, Deployment],
     steps = []
     for _ in range(iters):
         mid = (lo + hi) / 2
-        naive = dataclasses.replace(deps["naive"], remote=dataclasses.replace(
-            deps["naive"].remote, mfu=mid))
-        caps = compare_capacity(model, {"naive": naive}, make_seed, seeds, cfg,
-                                rel_tol=rel_tol)["deployments"]["naive"]["capacity"]["values"]
+        naive = compare_capacity(model, {"naive": with_remote_mfu(deps["naive"], mid)},
+                                 make_seed, seeds, cfg, rel_tol=rel_tol)
+        caps = naive["deployments"]["naive"]["capacity"]["values"]
         ratio = interval([c / b for c, b in zip(caps, base, strict=True)])
         steps.append({"remote_mfu": mid, "ratio": ratio})
         say(f"remote MFU {mid:.3f}: naive / homogeneous {ratio['mean']:.3f}")
