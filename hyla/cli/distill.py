@@ -60,9 +60,11 @@ def add_distill(sub) -> argparse.ArgumentParser:
 def add_export(sub) -> argparse.ArgumentParser:
     """Register ``hyla export`` on the ``hyla`` sub-parser set."""
     p = sub.add_parser("export", help="write a hyla model in a format transformers loads")
-    p.add_argument("--format", default="llama", choices=["llama", "fla"],
-                   help="llama: all-attention models; fla: GLA + attention hybrids "
-                        "(flash-linear-attention's GLAForCausalLM)")
+    p.add_argument("--format", default="transformers", choices=["transformers", "llama", "fla"],
+                   help="transformers: a model loaded from a transformers family (Qwen3-Next, "
+                        "Kimi Linear, ...) in that family's format, an all-attention model as "
+                        "Llama / Qwen / Mistral; llama: all-attention models only; fla: GLA + "
+                        "attention hybrids (flash-linear-attention's GLAForCausalLM)")
     p.add_argument("source", nargs="?", default=None, metavar="checkpoint",
                    help=f"the model: {SOURCE_HELP} (or --checkpoint)")
     p.add_argument("out", help="output directory (loads with transformers)")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from hyla.model.ffn import FFNS
 from hyla.model.layers import check_rope_scaling
 from hyla.model.mixers import MIXERS
 from hyla.ops.gla.chunk import CHUNK_SIZES
@@ -54,6 +55,25 @@ class HylaConfig:
     # feature maps (hyla.model.mixers.window_gla). 0: plain GLA.
     linear_window: int = 0
     window_sinks: int = 4
+    # The feed-forward half of each block, one letter a layer from hyla.model.ffn.FFNS ("S"
+    # dense SwiGLU of ffn_dim, "E" mixture of experts); None: "S" everywhere.
+    ffn_layers: str | None = None
+    # Options of a layer kind the fields above do not cover, by its kind name: each mixer
+    # (mixer_options) and FFN (ffn_options) reads and validates its own, e.g.
+    # {"moe": {"num_experts": 8, "top_k": 2, ...}}.
+    mixer_options: dict = field(default_factory=dict)
+    ffn_options: dict = field(default_factory=dict)
+    # Per-layer values of any field above (a list of n_layers dicts, {} where none): models
+    # whose layers of one kind differ (MiMo-V2-Flash's window layers have their own heads and
+    # rope theta). Options dicts merge per kind. Read through layer_config(i).
+    layer_overrides: list | None = None
+    # Norm weights stored zero-centred, applied as (1 + w) (Qwen3-Next, Qwen3.5).
+    norm_zero_centred: bool = False
+    # "pre": x + f(norm(x)); "post": x + norm(f(x)) (OLMo's attention blocks).
+    norm_placement: str = "pre"
+    # The transformers model_type a model was loaded from, which export writes back; None
+    # for hyla's own models.
+    family: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "ffn_dim", "gate_low_rank_dim"):
@@ -96,6 +116,75 @@ class HylaConfig:
             raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {self.chunk_size}")
         if self.gate_logit_normalizer <= 0:
             raise ValueError(f"gate_logit_normalizer must be > 0, got {self.gate_logit_normalizer}")
+        self._check_layer_fields()
+
+    def _check_layer_fields(self) -> None:
+        if self.ffn_layers is not None:
+            if not isinstance(self.ffn_layers, str) or len(self.ffn_layers) != self.n_layers:
+                raise ValueError(f"ffn_layers must be a string of {self.n_layers} letters "
+                                 f"(one a layer) or None, got {self.ffn_layers!r}")
+            bad = sorted({c for c in self.ffn_layers if c not in FFNS})
+            if bad:
+                raise ValueError(f"ffn_layers has unknown letter(s) {bad}: expected only "
+                                 f"{sorted(FFNS)}, got {self.ffn_layers!r}")
+        if self.norm_placement not in ("pre", "post"):
+            raise ValueError(f"norm_placement must be 'pre' or 'post', "
+                             f"got {self.norm_placement!r}")
+        for name, registry in (("mixer_options", MIXERS), ("ffn_options", FFNS)):
+            options = getattr(self, name)
+            kinds = {cls.kind for cls in registry.values()}
+            if not isinstance(options, dict) or not all(
+                    isinstance(v, dict) for v in options.values()):
+                raise ValueError(f"{name} must be a dict of dicts by layer kind, got {options!r}")
+            unknown = sorted(set(options) - kinds)
+            if unknown:
+                raise ValueError(f"{name} has unknown layer kind(s) {unknown}: expected some "
+                                 f"of {sorted(kinds)}")
+        overrides = self.layer_overrides
+        if overrides is not None:
+            if not isinstance(overrides, list | tuple) or len(overrides) != self.n_layers \
+                    or not all(isinstance(o, dict) for o in overrides):
+                raise ValueError(f"layer_overrides must be a list of {self.n_layers} dicts "
+                                 f"(one a layer), got {overrides!r}")
+            self.layer_overrides = [dict(o) for o in overrides]
+            allowed = {f.name for f in dataclasses.fields(self)} - _GLOBAL_FIELDS
+            for i, o in enumerate(self.layer_overrides):
+                bad = sorted(set(o) - allowed)
+                if bad:
+                    raise ValueError(f"layer_overrides[{i}] has field(s) {bad} that cannot "
+                                     f"differ by layer: expected some of {sorted(allowed)}")
+        self._layer_cfgs: dict[int, HylaConfig] = {}
+        for i in range(self.n_layers):     # every layer's fields and options are valid
+            cfg = self.layer_config(i)
+            MIXERS[self.layers[i]].check_config(cfg)
+            FFNS[self.ffn_letter(i)].check_config(cfg)
+
+    def layer_config(self, i: int) -> HylaConfig:
+        """The config layer ``i`` is built from: this one with ``layer_overrides[i]``
+        applied (options dicts merged per kind). What a mixer, an FFN and a StateSpec see.
+
+        Example:
+            >>> cfg = HylaConfig(vocab_size=256, d_model=64, layers="AA", n_heads=4,
+            ...                  ffn_dim=128, layer_overrides=[{}, {"sliding_window": 8}])
+            >>> cfg.layer_config(0).sliding_window, cfg.layer_config(1).sliding_window
+            (None, 8)
+        """
+        if not self.layer_overrides or not self.layer_overrides[i]:
+            return self
+        if i not in self._layer_cfgs:
+            o = dict(self.layer_overrides[i])
+            for name in ("mixer_options", "ffn_options"):
+                if name in o:
+                    merged = {k: dict(v) for k, v in getattr(self, name).items()}
+                    for kind, values in o[name].items():
+                        merged[kind] = {**merged.get(kind, {}), **values}
+                    o[name] = merged
+            self._layer_cfgs[i] = dataclasses.replace(self, layer_overrides=None, **o)
+        return self._layer_cfgs[i]
+
+    def ffn_letter(self, i: int) -> str:
+        """The FFN kind letter of layer ``i`` (``"S"`` when ``ffn_layers`` is None)."""
+        return "S" if self.ffn_layers is None else self.ffn_layers[i]
 
     @property
     def n_layers(self) -> int:
@@ -129,6 +218,18 @@ class HylaConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def __getstate__(self) -> dict:       # the per-layer cache is rebuilt, never pickled
+        return {k: v for k, v in self.__dict__.items() if k != "_layer_cfgs"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._layer_cfgs = {}
+
+
+# Fields that shape the whole model and so cannot differ by layer.
+_GLOBAL_FIELDS = {"vocab_size", "d_model", "layers", "ffn_layers", "layer_overrides",
+                  "tie_embeddings", "family", "initializer_range", "norm_zero_centred"}
 
 
 def debug() -> HylaConfig:

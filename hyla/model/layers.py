@@ -13,22 +13,26 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last dim, computed in float32.
+    """Root-mean-square norm over the last dim, computed in float32. ``zero_centred``: the
+    weight is stored as an offset from 1 and applied as ``1 + w`` (Qwen3-Next's norms), so a
+    file's weights load and export unchanged.
 
     Example:
         >>> RMSNorm(8)(torch.randn(2, 3, 8)).shape
         torch.Size([2, 3, 8])
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, zero_centred: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.zero_centred = zero_centred
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        w = self.weight.float()
+        return (xf * (1.0 + w if self.zero_centred else w)).to(x.dtype)
 
 
 class SwiGLU(nn.Module):

@@ -8,24 +8,34 @@ from torch.utils.checkpoint import checkpoint
 
 from hyla.model.config import HylaConfig
 from hyla.model.context import Context
-from hyla.model.layers import RMSNorm, SwiGLU
+from hyla.model.ffn import FFNS
+from hyla.model.layers import RMSNorm
 from hyla.model.mixers import MIXERS, layer_specs
 from hyla.model.state import SequenceState
 
 
 class Block(nn.Module):
-    """Pre-norm block: x + mixer(norm(x), ctx), then x + mlp(norm(x))."""
+    """A block: x + mixer(norm(x), ctx), then x + mlp(norm(x)) (``norm_placement="pre"``),
+    or x + norm(mixer(x, ctx)), then x + norm(mlp(x)) (``"post"``). ``mlp`` is the layer's
+    FFN kind (:data:`hyla.model.ffn.FFNS`, ``cfg.ffn_layers``)."""
 
     def __init__(self, cfg: HylaConfig, letter: str, layer_idx: int):
         super().__init__()
-        self.mixer_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mixer = MIXERS[letter](cfg, layer_idx)
-        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim)
+        layer = cfg.layer_config(layer_idx)
+        self.pre_norm = layer.norm_placement == "pre"
+        self.mixer_norm = RMSNorm(cfg.d_model, eps=layer.norm_eps,
+                                  zero_centred=cfg.norm_zero_centred)
+        self.mixer = MIXERS[letter](layer, layer_idx)
+        self.mlp_norm = RMSNorm(cfg.d_model, eps=layer.norm_eps,
+                                zero_centred=cfg.norm_zero_centred)
+        self.mlp = FFNS[cfg.ffn_letter(layer_idx)](layer, layer_idx)
 
     def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
-        x = x + self.mixer(self.mixer_norm(x), ctx)
-        return x + self.mlp(self.mlp_norm(x))
+        if self.pre_norm:
+            x = x + self.mixer(self.mixer_norm(x), ctx)
+            return x + self.mlp(self.mlp_norm(x))
+        x = x + self.mixer_norm(self.mixer(x, ctx))
+        return x + self.mlp_norm(self.mlp(x))
 
 
 class HylaLM(nn.Module):
@@ -54,7 +64,7 @@ class HylaLM(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, c, i) for i, c in enumerate(cfg.layers))
-        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, zero_centred=cfg.norm_zero_centred)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -71,7 +81,7 @@ class HylaLM(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, 0.0, std)
         elif isinstance(module, RMSNorm):
-            nn.init.ones_(module.weight)
+            nn.init.constant_(module.weight, 0.0 if module.zero_centred else 1.0)
 
     def num_parameters(self) -> int:
         """Number of parameters, tied embeddings counted once."""

@@ -45,7 +45,7 @@ from hyla.model.model import HylaLM
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-EXPORT_FORMATS = ("llama",)
+EXPORT_FORMATS = ("transformers", "llama")
 
 _LAYER_MAP = {  # hyla block suffix -> transformers decoder-layer suffix
     "mixer_norm.weight": "input_layernorm.weight",
@@ -272,8 +272,16 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
         hf = json.loads((root / "config.json").read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{source} is not valid JSON: {e}") from e
-    cfg = hf_config_to_hyla(hf, source)
-    state = hf_state_to_hyla(_read_weights(root, dtype), cfg, str(root / "model.safetensors"))
+    from hyla.model.formats.families import FAMILIES   # the families import this module
+
+    family = FAMILIES.get(hf.get("model_type")) if isinstance(hf, dict) else None
+    if family is not None:
+        cfg = family.to_config(hf, source)
+        state = family.to_state(_read_weights(root, dtype), cfg, str(root / "model.safetensors"))
+    else:
+        cfg = hf_config_to_hyla(hf, source)
+        state = hf_state_to_hyla(_read_weights(root, dtype), cfg,
+                                 str(root / "model.safetensors"))
     return hyla_model_from(cfg, state, str(root), source, dtype=dtype, device=device), \
         load_hf_tokenizer(root, cfg.vocab_size)
 
@@ -284,8 +292,13 @@ def hyla_model_from(cfg: HylaConfig, state: dict[str, torch.Tensor], where: str,
     against the config on the meta device before any memory is allocated."""
     with torch.device("meta"):
         model = HylaLM(cfg)
+    want = model.state_dict()
+    unknown = sorted(set(state) - set(want))
+    if unknown:
+        raise ValueError(f"{where}: tensors {unknown[:4]} have no place in the model {source} "
+                         f"describes")
     for key, tensor in state.items():
-        param = model.get_parameter(key)
+        param = want[key]
         if param.shape != tensor.shape:
             raise ValueError(f"{where}: tensor for {key} has shape {tuple(tensor.shape)}, "
                              f"{source} implies {tuple(param.shape)}")
@@ -365,6 +378,11 @@ def export_hf(model: HylaLM, tokenizer, out_dir: str | os.PathLike, *,
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"format must be one of {EXPORT_FORMATS}, got {fmt!r}")
     cfg = model.cfg
+    from hyla.model.formats.families import FAMILIES
+
+    family = FAMILIES.get(cfg.family) if fmt == "transformers" else None
+    if family is not None:
+        return _export_family(model, tokenizer, out_dir, family)
     if set(cfg.layers) != {"A"}:
         raise ValueError(f"only a model whose layers are all 'A' exports to {fmt}: this one has "
                          f"layers={cfg.layers!r} (GLA layers have no transformers equivalent)")
@@ -384,3 +402,17 @@ def export_hf(model: HylaLM, tokenizer, out_dir: str | os.PathLike, *,
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n", encoding="utf-8")
     return out
 
+
+
+def _export_family(model: HylaLM, tokenizer, out_dir, family) -> pathlib.Path:
+    """Write a model loaded from (or built as) a hybrid family in that family's format, its
+    tensors as they are (a loaded model round-trips bit for bit)."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = family.from_state({k: v.detach().contiguous() for k, v in
+                               model.state_dict().items()}, model.cfg)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    hf_cfg = family.from_config(model.cfg)
+    hf_cfg |= save_hf_tokenizer(tokenizer, out)
+    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n", encoding="utf-8")
+    return out

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+from hyla.model.options import parse_options
 
 
 @dataclass(frozen=True)
@@ -96,11 +98,26 @@ class Mixer(nn.Module):
     kind: ClassVar[str] = ""            # a readable identifier: "gla", "attention"
     label: ClassVar[str] = ""           # for people: "GLA"; defaults to the kind
     state_label: ClassVar[str] = ""     # what its state is called: "GLA state"
+    # The dataclass of this kind's ``cfg.mixer_options[kind]`` (None: it takes none).
+    options_class: ClassVar[type | None] = None
 
     def __init__(self, cfg, layer_idx: int = 0):
         super().__init__()
         self.cfg = cfg
         self.layer_idx = layer_idx
+        self.opts = self.options(cfg)
+
+    @classmethod
+    def options(cls, cfg) -> Any:
+        """This kind's options under ``cfg`` (an ``options_class`` instance, or None)."""
+        return parse_options(cls.options_class, cfg.mixer_options.get(cls.kind),
+                             f"mixer_options[{cls.kind!r}]")
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """ValueError naming the field unless ``cfg`` (one layer's config) builds this
+        kind; the default parses its options."""
+        cls.options(cfg)
 
     @classmethod
     def state_spec(cls, cfg) -> StateSpec:
@@ -220,4 +237,4 @@ def layer_specs(cfg) -> list[StateSpec]:
         >>> [s.kind for s in layer_specs(preset("debug"))]
         ['gla', 'gla', 'gla', 'attention']
     """
-    return [MIXERS[c].state_spec(cfg) for c in cfg.layers]
+    return [MIXERS[c].state_spec(cfg.layer_config(i)) for i, c in enumerate(cfg.layers)]

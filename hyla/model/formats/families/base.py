@@ -1,0 +1,143 @@
+"""A transformers model family as hyla reads and writes it: four pure functions.
+
+Each hybrid family (Qwen3-Next / Qwen3.5, Kimi Linear, Ring-2.5, MiMo-V2-Flash, OLMo hybrid)
+is one module of this package that builds a :class:`Family` and registers it under its
+``model_type`` values. A family maps its config onto :class:`~hyla.model.HylaConfig` (layer
+letters, FFN letters, the mixers' and FFNs' options, per-layer overrides) and its weight
+names onto hyla's, both ways; nothing outside ``mixers/``, ``ffn/`` and ``formats/`` knows a
+family. Every config field a family cannot represent is refused with a ValueError naming the
+file and the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hyla.model.config import HylaConfig
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one transformers family maps onto hyla.
+
+    - ``to_config(hf: dict, source: str) -> HylaConfig`` (``cfg.family`` set to the
+      model_type, so export writes the family back);
+    - ``to_state(weights: dict, cfg, source: str) -> dict``: the file's tensors by hyla's
+      names; a tensor without a place is refused; multi-token-prediction layers are dropped
+      with a logged note;
+    - ``from_config(cfg) -> dict``: the family's ``config.json``;
+    - ``from_state(state: dict, cfg) -> dict``: hyla's tensors by the family's names.
+    """
+
+    model_types: tuple[str, ...]
+    architecture: str
+    to_config: Callable[[dict, str], HylaConfig]
+    to_state: Callable[[dict, HylaConfig, str], dict[str, torch.Tensor]]
+    from_config: Callable[[HylaConfig], dict]
+    from_state: Callable[[dict, HylaConfig], dict[str, torch.Tensor]]
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    """Make ``family`` the reader and writer of each of its ``model_types``."""
+    for model_type in family.model_types:
+        FAMILIES[model_type] = family
+    return family
+
+
+def require(hf: dict, key: str, source: str, kind: str):
+    """``hf[key]``, or a ValueError naming the file and the missing field."""
+    if key not in hf or hf[key] is None:
+        raise ValueError(f"{source} has no {key!r}: expected a complete {kind} config")
+    return hf[key]
+
+
+def refuse(hf: dict, source: str, checks: dict[str, Callable[[object], bool]],
+           why: str = "hyla cannot represent it") -> None:
+    """ValueError naming the first field of ``checks`` whose value (when present) fails its
+    predicate."""
+    for key, ok in checks.items():
+        if key in hf and not ok(hf[key]):
+            raise ValueError(f"{source}: {key}={hf[key]!r} is not supported: {why}")
+
+
+def take(weights: dict, key: str, source: str) -> torch.Tensor:
+    """Pop ``key`` from a state dict, or a ValueError naming the file and the tensor."""
+    if key not in weights:
+        raise ValueError(f"{source} has no tensor {key!r}")
+    return weights.pop(key)
+
+
+def check_all_taken(weights: dict, source: str) -> None:
+    """ValueError when tensors are left that the config does not account for."""
+    left = sorted(k for k in weights if not k.endswith("rotary_emb.inv_freq"))
+    if left:
+        raise ValueError(f"{source} has tensors the config does not account for: {left[:4]} "
+                         f"({len(left)} in all): refused, since dropping them would change "
+                         f"the model")
+
+
+@dataclass(frozen=True)
+class MoENames:
+    """A family's names inside its MoE block (after ``model.layers.<i>.mlp.``)."""
+
+    router: str = "gate.weight"
+    score_bias: str = "gate.e_score_correction_bias"
+    shared: str = "shared_experts"          # Qwen3-Next: "shared_expert"
+    shared_gate: str = "shared_expert_gate.weight"
+
+
+def moe_to_hyla(weights: dict, theirs: str, ours: str, opts, names: MoENames,
+                source: str) -> dict[str, torch.Tensor]:
+    """A family's MoE tensors under ``theirs`` (``model.layers.3.mlp``) as hyla's
+    :class:`~hyla.model.ffn.MoEFFN` under ``ours`` (``blocks.3.mlp``). Experts come either
+    one module an expert (``experts.<e>.gate_proj.weight``, what checkpoints hold) or fused
+    (``experts.gate_up_proj`` [E, 2I, d], ``experts.down_proj`` [E, d, I]: transformers 5's
+    in-memory layout)."""
+    out = {f"{ours}.router.weight": take(weights, f"{theirs}.{names.router}", source)}
+    if opts.score_bias:
+        out[f"{ours}.score_bias"] = take(weights, f"{theirs}.{names.score_bias}", source)
+    fused = f"{theirs}.experts.gate_up_proj"
+    if fused in weights:
+        out[f"{ours}.gate_up"] = take(weights, fused, source)
+        out[f"{ours}.down"] = take(weights, f"{theirs}.experts.down_proj", source)
+    else:
+        e = range(opts.num_experts)
+        gate = [take(weights, f"{theirs}.experts.{i}.gate_proj.weight", source) for i in e]
+        up = [take(weights, f"{theirs}.experts.{i}.up_proj.weight", source) for i in e]
+        down = [take(weights, f"{theirs}.experts.{i}.down_proj.weight", source) for i in e]
+        out[f"{ours}.gate_up"] = torch.stack([torch.cat(p) for p in zip(gate, up, strict=True)])
+        out[f"{ours}.down"] = torch.stack(down)
+    if opts.shared_dim:
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            out[f"{ours}.shared.{p}.weight"] = take(
+                weights, f"{theirs}.{names.shared}.{p}.weight", source)
+        if opts.shared_gate:
+            out[f"{ours}.shared_gate.weight"] = take(
+                weights, f"{theirs}.{names.shared_gate}", source)
+    return out
+
+
+def moe_from_hyla(state: dict, ours: str, theirs: str, opts,
+                  names: MoENames) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`moe_to_hyla`, experts one module each (the checkpoint layout)."""
+    out = {f"{theirs}.{names.router}": state[f"{ours}.router.weight"]}
+    if opts.score_bias:
+        out[f"{theirs}.{names.score_bias}"] = state[f"{ours}.score_bias"]
+    gate_up, down = state[f"{ours}.gate_up"], state[f"{ours}.down"]
+    width = opts.expert_dim
+    for i in range(opts.num_experts):
+        out[f"{theirs}.experts.{i}.gate_proj.weight"] = gate_up[i, :width].contiguous()
+        out[f"{theirs}.experts.{i}.up_proj.weight"] = gate_up[i, width:].contiguous()
+        out[f"{theirs}.experts.{i}.down_proj.weight"] = down[i].contiguous()
+    if opts.shared_dim:
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            out[f"{theirs}.{names.shared}.{p}.weight"] = state[f"{ours}.shared.{p}.weight"]
+        if opts.shared_gate:
+            out[f"{theirs}.{names.shared_gate}"] = state[f"{ours}.shared_gate.weight"]
+    return out
