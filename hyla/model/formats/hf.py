@@ -272,7 +272,7 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
         hf = json.loads((root / "config.json").read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{source} is not valid JSON: {e}") from e
-    from hyla.model.formats.families import FAMILIES   # the families import this module
+    from hyla.model.formats.families import FAMILIES  # the families import this module
 
     family = FAMILIES.get(hf.get("model_type")) if isinstance(hf, dict) else None
     if family is not None:
