@@ -36,6 +36,11 @@ def parse_options(options_class: type | None, values: dict | None, where: str):
     if unknown:
         raise ValueError(f"{where}: unknown option(s) {unknown}: expected some of "
                          f"{sorted(fields)}")
+    missing = sorted(n for n, f in fields.items() if n not in values
+                     and f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING)
+    if missing:
+        raise ValueError(f"{where}: missing required option(s) {missing}")
     hints = typing.get_type_hints(options_class)
     for name, value in values.items():
         if not _fits(value, hints[name]):

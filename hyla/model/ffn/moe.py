@@ -93,14 +93,6 @@ class MoEFFN(FFN):
     kind = "moe"
     options_class = MoEOptions
 
-    @classmethod
-    def options(cls, cfg) -> MoEOptions:
-        opts = super().options(cfg)
-        if opts is None:
-            raise ValueError("ffn_options['moe'] is required for an 'E' layer: num_experts, "
-                             "top_k, expert_dim, ...")
-        return opts
-
     def __init__(self, cfg, layer_idx: int = 0):
         super().__init__(cfg, layer_idx)
         o, d = self.opts, cfg.d_model
