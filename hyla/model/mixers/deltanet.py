@@ -6,8 +6,11 @@ depthwise convolution and SiLU; q and k L2-normalised; ``beta = sigmoid(b_proj(x
 log decay ``g = -exp(A_log) * softplus(a_proj(x) + dt_bias)`` (Mamba2's A and dt), one a
 head (``D``) or one a key channel (``K``); the gated delta rule
 (:mod:`hyla.ops.deltanet`); output ``o_proj(rmsnorm_per_head(o) * silu(g_proj(x)))``.
+:class:`DeltaOptions` (``cfg.mixer_options["gated_delta"]`` / ``["kda"]``) gives the
+shapes and variants that the transformers families ship (Qwen3-Next, Qwen3.5, OLMo hybrid,
+Kimi Linear, Ring-2.5); the defaults are hyla's own layer.
 
-State per sequence: the [n_heads, head_k_dim, head_v_dim] float32 matrix and the short
+State per sequence: the [value heads, head_k_dim, head_v_dim] float32 matrix and the short
 convolution's last ``kernel - 1`` inputs (q, k and v channels), both of fixed size, so the
 serving engine, prefix-cache snapshots and state transfer carry them like any fixed state.
 """
@@ -15,6 +18,7 @@ serving engine, prefix-cache snapshots and state transfer carry them like any fi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,10 +40,104 @@ CONV_KERNEL = 4
 TIMESCALES = (16.0, 4096.0)
 
 
+@dataclass(frozen=True)
+class DeltaOptions:
+    """Options of the ``D`` and ``K`` layers (``cfg.mixer_options["gated_delta"]``,
+    ``["kda"]``); the defaults are hyla's own layer.
+
+    Which transformers module each option serves (weights map one to one unless noted):
+
+    - ``Qwen3NextGatedDeltaNet`` / ``Qwen3_5GatedDeltaNet`` (``D``): ``num_k_heads`` =
+      linear_num_key_heads, ``num_v_heads`` = linear_num_value_heads, ``head_k_dim`` /
+      ``head_v_dim`` = linear_key/value_head_dim, ``conv_kernel`` = linear_conv_kernel_dim;
+      ``o_norm_eps`` None (rms_norm_eps is ``cfg.norm_eps``). Qwen3-Next's fused
+      ``in_proj_qkvz`` / ``in_proj_ba`` are interleaved per key-head group; the family
+      splits them into q/k/v/g and b/a (``hyla.model.formats.families.qwen3_next``).
+      ``conv1d`` -> ``conv``, ``norm`` -> ``o_norm``, ``out_proj`` -> ``o_proj``, z -> ``g_proj``.
+    - ``OlmoHybridGatedDeltaNet`` (``D``): as Qwen3.5, plus ``beta_scale=2.0`` when
+      linear_allow_neg_eigval, and ``o_norm_eps=1e-5`` (its gated norm's eps is fixed);
+      q/k/v/a/b/g/o_proj and ``o_norm`` keep their names, ``conv1d`` -> ``conv``.
+    - ``KimiLinearDeltaAttention`` (``K``): ``num_k_heads`` = linear_num_heads (values
+      the same), ``head_k_dim = head_v_dim`` = linear_head_dim, ``decay_rank`` =
+      ``gate_rank`` = linear_head_dim (``forget_gate.f_a_proj`` -> ``a_down``,
+      ``f_b_proj`` -> ``a_proj``; ``g_a_proj`` -> ``g_down``, ``g_b_proj`` -> ``g_proj``),
+      ``gate_act="sigmoid"``; ``forget_gate.A_log`` [1, 1, H, 1] -> ``A_log`` [H],
+      ``forget_gate.dt_bias`` -> ``dt_bias`` [H * head_k_dim]; the one ``conv1d`` over
+      q|k|v -> ``conv`` (the original checkpoints' q/k/v_conv1d concatenate into it).
+    - ``BailingHybridDeltaAttention`` (Ring-2.5, ``K``): as Kimi but full-rank gates
+      (``decay_rank = gate_rank = None``: ``forget_gate.f_proj`` -> ``a_proj``,
+      ``g_proj`` -> ``g_proj``), ``safe_gate`` = kda_safe_gate, ``lower_bound`` =
+      kda_lower_bound; ``forget_gate.A_log`` [H] -> ``A_log``.
+
+    Options:
+        num_k_heads: q/k heads (None: ``cfg.n_heads``).
+        num_v_heads: value heads = state heads (None: ``num_k_heads``), a multiple of
+            ``num_k_heads``; q and k are repeated for each value head of their group
+            (value head ``h`` reads key head ``h // (num_v_heads / num_k_heads)``).
+        head_k_dim, head_v_dim: per-head dims (None: ``cfg.head_k_dim``, ``cfg.head_v_dim``).
+        conv_kernel: the short convolution's width (taps).
+        decay_rank: None: ``a_proj`` maps d_model to the decays; r: ``a_proj(a_down(x))``
+            through rank r (Kimi's low-rank forget gate).
+        safe_gate: the decay is ``lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``
+            instead of ``-exp(A_log) * softplus(a + dt_bias)`` (Ring-2.5's kda_safe_gate).
+        lower_bound: the most negative log decay with ``safe_gate`` (< 0).
+        beta_scale: beta = beta_scale * sigmoid(b); 2.0 lets the delta rule's eigenvalues
+            go negative (OLMo hybrid's linear_allow_neg_eigval).
+        gate_rank: None: ``g_proj`` maps d_model to the output gate; r: ``g_proj(g_down(x))``.
+        gate_act: the output gate's activation, "silu" (Gated DeltaNet) or "sigmoid" (KDA).
+        o_norm_eps: the output norm's eps (None: ``cfg.norm_eps``).
+
+    Example:
+        >>> from hyla.model.config import HylaConfig
+        >>> cfg = HylaConfig(vocab_size=256, d_model=64, layers="D", n_heads=4, ffn_dim=128,
+        ...                  mixer_options={"gated_delta": {"num_k_heads": 2,
+        ...                                                 "num_v_heads": 4}})
+        >>> GatedDeltaMixer.state_spec(cfg).fixed[0].shape
+        (4, 8, 16)
+    """
+
+    num_k_heads: int | None = None
+    num_v_heads: int | None = None
+    head_k_dim: int | None = None
+    head_v_dim: int | None = None
+    conv_kernel: int = CONV_KERNEL
+    decay_rank: int | None = None
+    safe_gate: bool = False
+    lower_bound: float = -5.0
+    beta_scale: float = 1.0
+    gate_rank: int | None = None
+    gate_act: str = "silu"
+    o_norm_eps: float | None = None
+
+    def __post_init__(self):
+        for name in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "decay_rank",
+                     "gate_rank"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be a positive int or None, got {value}")
+        if self.conv_kernel < 1:
+            raise ValueError(f"conv_kernel must be >= 1, got {self.conv_kernel}")
+        if self.gate_act not in ("silu", "sigmoid"):
+            raise ValueError(f"gate_act must be 'silu' or 'sigmoid', got {self.gate_act!r}")
+        if not self.lower_bound < 0:
+            raise ValueError(f"lower_bound must be < 0 (a log decay), got {self.lower_bound}")
+
+
+def delta_dims(cfg, opts: DeltaOptions) -> tuple[int, int, int, int]:
+    """(num_k_heads, num_v_heads, head_k_dim, head_v_dim) of a layer under ``cfg``."""
+    hk = opts.num_k_heads or cfg.n_heads
+    hv = opts.num_v_heads or hk
+    if hv % hk:
+        raise ValueError(f"mixer_options: num_v_heads={hv} must be a multiple of "
+                         f"num_k_heads={hk}")
+    return hk, hv, opts.head_k_dim or cfg.head_k_dim, opts.head_v_dim or cfg.head_v_dim
+
+
 @register_mixer("D")
 class GatedDeltaMixer(Mixer):
     """Gated DeltaNet: one decay a head. q, k: d_model -> key_dim; v, g: d_model ->
-    value_dim (``cfg.expand_k``, ``cfg.expand_v`` as for GLA, so the state has GLA's shape).
+    value_dim (``cfg.expand_k``, ``cfg.expand_v`` as for GLA, so the state has GLA's shape,
+    unless :class:`DeltaOptions` set the heads and dims).
 
     Example:
         >>> from hyla.model.config import preset
@@ -52,39 +150,52 @@ class GatedDeltaMixer(Mixer):
 
     kind = "gated_delta"
     label = "Gated DeltaNet"
+    options_class = DeltaOptions
     per_channel = False         # one decay a key channel (KDA) instead of one a head
 
     def __init__(self, cfg, layer_idx: int = 0):
         super().__init__(cfg, layer_idx)
-        d, kd, vd, H = cfg.d_model, cfg.key_dim, cfg.value_dim, cfg.n_heads
+        o = self.opts
+        d = cfg.d_model
+        self.hk, self.hv, self.dk, self.dv = delta_dims(cfg, o)
+        kd, vd, H = self.hk * self.dk, self.hv * self.dv, self.hv
         self.q_proj = nn.Linear(d, kd, bias=False)
         self.k_proj = nn.Linear(d, kd, bias=False)
         self.v_proj = nn.Linear(d, vd, bias=False)
         channels = 2 * kd + vd
-        self.conv = nn.Conv1d(channels, channels, CONV_KERNEL, groups=channels, bias=False)
+        self.conv = nn.Conv1d(channels, channels, o.conv_kernel, groups=channels, bias=False)
         self.b_proj = nn.Linear(d, H, bias=False)
-        decays = kd if self.per_channel else H
-        self.a_proj = nn.Linear(d, decays, bias=False)
+        decays = H * self.dk if self.per_channel else H
+        self.a_down = nn.Linear(d, o.decay_rank, bias=False) if o.decay_rank else None
+        self.a_proj = nn.Linear(o.decay_rank or d, decays, bias=False)
         # Mamba2's initialisation: A in [1, 16], dt in [1e-3, 1e-1] log-uniformly.
         self.A_log = nn.Parameter(torch.empty(H).uniform_(1, 16).log())
         dt = torch.exp(torch.empty(decays).uniform_(math.log(1e-3), math.log(1e-1)))
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))   # softplus^-1(dt)
-        self.g_proj = nn.Linear(d, vd, bias=False)
-        self.o_norm = RMSNorm(cfg.head_v_dim, eps=cfg.norm_eps)
+        self.g_down = nn.Linear(d, o.gate_rank, bias=False) if o.gate_rank else None
+        self.g_proj = nn.Linear(o.gate_rank or d, vd, bias=False)
+        self.o_norm = RMSNorm(self.dv, eps=cfg.norm_eps if o.o_norm_eps is None
+                              else o.o_norm_eps)
         self.o_proj = nn.Linear(vd, d, bias=False)
 
     @classmethod
+    def check_config(cls, cfg) -> None:
+        delta_dims(cfg, cls.options(cfg))
+
+    @classmethod
     def state_spec(cls, cfg) -> StateSpec:
-        shape = (cfg.n_heads, cfg.head_k_dim, cfg.head_v_dim)
-        conv = (CONV_KERNEL - 1, 2 * cfg.key_dim + cfg.value_dim)
-        return StateSpec(cls.kind, fixed=(TensorSpec("state", shape, torch.float32),
+        opts = cls.options(cfg)
+        hk, hv, dk, dv = delta_dims(cfg, opts)
+        conv = (opts.conv_kernel - 1, 2 * hk * dk + hv * dv)
+        return StateSpec(cls.kind, fixed=(TensorSpec("state", (hv, dk, dv), torch.float32),
                                           TensorSpec("conv", conv)))
 
     @classmethod
     def token_flops(cls, cfg) -> float:
         # S^T k, the rank-1 update and the readout (2 FLOPs a state entry each), the conv
-        return (6 * cfg.n_heads * cfg.head_k_dim * cfg.head_v_dim
-                + 2 * CONV_KERNEL * (2 * cfg.key_dim + cfg.value_dim))
+        opts = cls.options(cfg)
+        hk, hv, dk, dv = delta_dims(cfg, opts)
+        return 6 * hv * dk * dv + 2 * opts.conv_kernel * (2 * hk * dk + hv * dv)
 
     @torch.no_grad()
     def init_from_attention(self, teacher: nn.Module) -> None:
@@ -107,21 +218,26 @@ class GatedDeltaMixer(Mixer):
         self.dt_bias.copy_(slow_dt_bias(self.cfg, self.per_channel))
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, d_model] -> log decays float32 <= 0: [B, T, H] (``D``) or [B, T, H, K]."""
+        """x [B, T, d_model] -> log decays float32 <= 0: [B, T, H] (``D``) or [B, T, H, K]
+        (H the value heads)."""
         B, T, _ = x.shape
-        H = self.cfg.n_heads
-        a = F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        a = self.a_proj(x if self.a_down is None else self.a_down(x))
+        a = a.float() + self.dt_bias.float()
+        A = self.A_log.float().exp()
         if self.per_channel:
-            return -self.A_log.float().exp()[:, None] * a.view(B, T, H, -1)
-        return -self.A_log.float().exp() * a
+            a, A = a.view(B, T, self.hv, -1), A[:, None]
+        if self.opts.safe_gate:
+            return self.opts.lower_bound * torch.sigmoid(A * a)
+        return -A * F.softplus(a)
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         B, T, _ = x.shape
         c = self.cfg
-        H, V = c.n_heads, c.head_v_dim
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         g = self.log_decay(x)
         beta = torch.sigmoid(self.b_proj(x).float())
+        if self.opts.beta_scale != 1.0:
+            beta = beta * self.opts.beta_scale
         if ctx.mode == "train":
             qkv = F.silu(self._conv(qkv, ctx.cu_seqlens, None)[0])
             q, k, v = self._split(qkv, B, T)
@@ -144,15 +260,21 @@ class GatedDeltaMixer(Mixer):
                 o = delta_decode_step(q, k, v, g, beta, state)     # updates ``state`` in place
             ctx.store_fixed(buf["state"], state)
             ctx.store_fixed(buf["conv"], window.to(buf["conv"].dtype))
-        o = self.o_norm(o.to(x.dtype)) * F.silu(self.g_proj(x).view(B, T, H, V))
-        return self.o_proj(o.reshape(B, T, c.value_dim))
+        # The gated norm norm(o) * w * act(gate), in float32 (Kimi's and Ring's order; Qwen
+        # and OLMo round norm(o) to the model dtype before * w: equal in float32).
+        gate = self.g_proj(x if self.g_down is None else self.g_down(x)).float()
+        act = F.silu if self.opts.gate_act == "silu" else torch.sigmoid
+        o = self.o_norm(o.float()) * act(gate.view(B, T, self.hv, self.dv))
+        return self.o_proj(o.to(x.dtype).reshape(B, T, self.hv * self.dv))
 
     def _split(self, qkv: torch.Tensor, B: int, T: int):
-        c = self.cfg
-        q, k, v = qkv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
-        H = c.n_heads
-        return (l2norm(q.reshape(B, T, H, -1)), l2norm(k.reshape(B, T, H, -1)),
-                v.reshape(B, T, H, -1))
+        kd = self.hk * self.dk
+        q, k, v = qkv.split([kd, kd, self.hv * self.dv], dim=-1)
+        q, k = l2norm(q.reshape(B, T, self.hk, -1)), l2norm(k.reshape(B, T, self.hk, -1))
+        if self.hv != self.hk:          # each key head serves its group of value heads
+            q = q.repeat_interleave(self.hv // self.hk, dim=2)
+            k = k.repeat_interleave(self.hv // self.hk, dim=2)
+        return q, k, v.reshape(B, T, self.hv, -1)
 
     def _conv(self, x: torch.Tensor, cu_seqlens, window):
         """Causal depthwise convolution of x [B, T, C] over each sequence (a batch row, or a
@@ -160,7 +282,7 @@ class GatedDeltaMixer(Mixer):
         (the sequences' previous inputs; None: zeros). Returns (y [B, T, C], the new window:
         each sequence's last kernel - 1 inputs)."""
         B, T, C = x.shape
-        n = CONV_KERNEL - 1
+        n = self.conv.weight.shape[-1] - 1
         dev = x.device
         if cu_seqlens is None:
             lengths = torch.full((B,), T, device=dev)
@@ -192,7 +314,7 @@ class GatedDeltaMixer(Mixer):
 @register_mixer("K")
 class KDAMixer(GatedDeltaMixer):
     """The gated delta rule with one decay a key channel (Kimi Linear's KDA gate); otherwise
-    the ``D`` layer.
+    the ``D`` layer (same :class:`DeltaOptions`, read from ``cfg.mixer_options["kda"]``).
 
     Example:
         >>> from hyla.model.config import preset

@@ -1,6 +1,7 @@
 """The hybrid transformers families hyla loads and exports (one module each), registered in
 :data:`FAMILIES` by ``model_type``."""
 
+from hyla.model.formats.families import qwen3_next  # noqa: F401  (registers the family)
 from hyla.model.formats.families.base import FAMILIES, Family, register_family
 
 __all__ = ["FAMILIES", "Family", "register_family"]
