@@ -4,6 +4,10 @@
 - :func:`attention_with_cache`: decode and chunked prefill, queries placed after a key cache of
   per-sequence length (right-padded batch).
 
+Both take learned attention ``sinks`` (gpt-oss, MiMo-V2-Flash): one logit a query head that
+joins every row's softmax and carries no value, so a row may attend to "nothing"
+(:func:`with_sinks`).
+
 Keys and values may have fewer heads than queries (grouped-query attention, ``H % H_kv == 0``):
 query head ``h`` reads key/value head ``h // (H // H_kv)``, as in Llama.
 """
@@ -31,13 +35,49 @@ def _check_qkv(q, k, v) -> None:
                          f"attention), got H_kv={k.shape[2]}")
 
 
-def _sdpa(q, k, v, *, scale, causal=False, mask=None):
-    """SDPA on [B, T, H, D] tensors (it wants [B, H, T, D]); GQA without repeating k/v."""
+def _sdpa(q, k, v, *, scale, causal=False, mask=None, sinks=None):
+    """SDPA on [B, T, H, D] tensors (it wants [B, H, T, D]); GQA without repeating k/v.
+    ``sinks`` needs a boolean ``mask`` (it broadcasts to [B, H, T, S])."""
+    if sinks is not None:
+        q, k, v, mask, scale = with_sinks(q, k, v, mask, sinks, scale)
     gqa = q.shape[2] != k.shape[2]
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        attn_mask=mask, is_causal=causal, scale=scale,
                                        enable_gqa=gqa)
     return o.transpose(1, 2)
+
+
+def with_sinks(q, k, v, mask, sinks, scale=None):
+    """Attention sinks as one more key, first, that every query sees: its value is zero and
+    its logit for query head ``h`` is ``sinks[h]``, so ``softmax([scores, sink])`` without
+    the sink's column is what plain SDPA computes on the returned tensors (exactly
+    transformers' ``eager_attention_forward`` with ``s_aux``).
+
+    The logit comes from the keys: ``G = H / H_kv`` extra dims, query head ``h`` holds the
+    one-hot of ``h % G`` there and the sink key of KV head ``j`` holds ``sinks[j*G:(j+1)*G]
+    / scale`` (other keys zeros), so no [B, H, T, S] float bias is built and GQA still
+    shares KV heads. Returns (q, k, v, mask, scale) for SDPA in the [B, T, H, D] layout;
+    ``mask`` [..., T, S] bool -> [..., T, 1 + S].
+
+    Example:
+        >>> q = torch.randn(1, 3, 4, 8); kv = torch.randn(1, 3, 2, 8)
+        >>> mask = torch.ones(3, 3, dtype=torch.bool).tril()
+        >>> o = _sdpa(q, kv, kv, scale=None, mask=mask, sinks=torch.full((4,), -1e4))
+        >>> torch.allclose(o, _sdpa(q, kv, kv, scale=None, mask=mask), atol=1e-6)
+        True
+    """
+    B, T, H, D = q.shape
+    Hkv = k.shape[2]
+    G = H // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    onehot = torch.eye(G, dtype=q.dtype, device=q.device).repeat(Hkv, 1)       # [H, G]
+    q = torch.cat([q, onehot.expand(B, T, H, G)], dim=-1)
+    sink_key = (sinks.to(torch.float32) / scale).to(k.dtype).view(1, 1, Hkv, G)
+    sink_key = torch.cat([k.new_zeros(1, 1, Hkv, D), sink_key], dim=-1).expand(B, 1, Hkv, D + G)
+    k = torch.cat([sink_key, F.pad(k, (0, G))], dim=1)
+    v = torch.cat([v.new_zeros(B, 1, Hkv, v.shape[-1]), v], dim=1)
+    mask = torch.cat([torch.ones_like(mask[..., :1]), mask], dim=-1)
+    return q, k, v, mask, scale
 
 
 def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -54,7 +94,7 @@ def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) ->
     return mask if window is None else mask & (k > q - window)
 
 
-def attention(q, k, v, *, scale=None, causal=True, cu_seqlens=None, window=None):
+def attention(q, k, v, *, scale=None, causal=True, cu_seqlens=None, window=None, sinks=None):
     """Softmax attention, optionally causal, optionally over packed documents.
 
     Args:
@@ -64,6 +104,7 @@ def attention(q, k, v, *, scale=None, causal=True, cu_seqlens=None, window=None)
         cu_seqlens: optional int tensor [N + 1] of document offsets (0 ... T) for packed
             sequences; needs B == 1 and S == T. No token attends across a boundary.
         window: causal sliding window: query t sees keys t - window + 1 ... t (None: all).
+        sinks: optional [H] attention-sink logits (:func:`with_sinks`); needs causal=True.
     Returns:
         o: [B, T, H, D_v] in q's dtype.
 
@@ -82,13 +123,16 @@ def attention(q, k, v, *, scale=None, causal=True, cu_seqlens=None, window=None)
             raise ValueError("window needs causal=True (a sliding window looks back only)")
         if window >= T:                 # the window covers every key: plain causal
             window = None
-    if window is not None:
+    if sinks is not None and not causal:
+        raise ValueError("sinks needs causal=True")
+    if window is not None or sinks is not None:     # an explicit mask per document
         offsets = [0, T] if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T)
         outs = []
         for s, e in zip(offsets[:-1], offsets[1:], strict=True):
             pos = torch.arange(e - s, device=q.device)
             mask = window_mask(pos, pos, window)
-            outs.append(_sdpa(q[:, s:e], k[:, s:e], v[:, s:e], scale=scale, mask=mask))
+            outs.append(_sdpa(q[:, s:e], k[:, s:e], v[:, s:e], scale=scale, mask=mask,
+                              sinks=sinks))
         return torch.cat(outs, dim=1) if outs else q.new_zeros(*q.shape[:3], v.shape[-1])
     if cu_seqlens is None:
         return _sdpa(q, k, v, scale=scale, causal=causal and T > 1)
@@ -102,7 +146,7 @@ def attention(q, k, v, *, scale=None, causal=True, cu_seqlens=None, window=None)
     return torch.cat(outs, dim=1)
 
 
-def attention_with_cache(q, k, v, kv_lens, *, scale=None, window=None):
+def attention_with_cache(q, k, v, kv_lens, *, scale=None, window=None, sinks=None):
     """Attention of new queries against a right-padded key/value cache, causally.
 
     The cache already holds the new tokens' keys: sequence ``b`` has ``kv_lens[b]`` valid keys
@@ -115,6 +159,7 @@ def attention_with_cache(q, k, v, kv_lens, *, scale=None, window=None):
         kv_lens: int tensor [B] (or list), each in [T, S].
         scale: softmax scale, default D ** -0.5.
         window: causal sliding window (see :func:`attention`); None: every cached key.
+        sinks: optional [H] attention-sink logits (:func:`with_sinks`).
     Returns:
         o: [B, T, H, D_v] in q's dtype.
 
@@ -137,7 +182,7 @@ def attention_with_cache(q, k, v, kv_lens, *, scale=None, window=None):
                          f"new tokens), got {lens.tolist()}")
     pos = lens[:, None] - T + torch.arange(T, device=q.device)            # [B, T]
     mask = window_mask(pos, torch.arange(S, device=q.device)[None], window)   # [B, T, S]
-    return _sdpa(q, k, v, scale=scale, mask=mask[:, None])
+    return _sdpa(q, k, v, scale=scale, mask=mask[:, None], sinks=sinks)
 
 
 def check_cu_seqlens(cu_seqlens, B: int, T: int) -> list[int]:

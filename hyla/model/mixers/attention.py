@@ -1,10 +1,12 @@
 """``A``: softmax attention with rotary positions and grouped-query heads.
 
-State per sequence: its keys and values, one [n_kv_heads, head_dim] row each per token, in
-the model's dtype.
+State per sequence: its keys and values, one [n_kv_heads, head_dim] key row and one
+[n_kv_heads, value_head_dim] value row per token, in the model's dtype.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +14,60 @@ from torch import nn
 
 from hyla.model.layers import RMSNorm, apply_rotary
 from hyla.model.mixers.base import Mixer, StateSpec, TensorSpec, merge_kv_heads, register_mixer
-from hyla.ops.attention import attention, attention_with_cache, window_mask
+from hyla.ops.attention import attention, attention_with_cache, window_mask, with_sinks
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """``cfg.mixer_options["attention"]``: what the transformers families add to plain
+    attention. The defaults are hyla's own ``A``. Per-layer values (MiMo-V2-Flash's window
+    layers) go in ``cfg.layer_overrides``, like the heads, head dim, rope theta and window.
+
+    - ``output_gate``: the q projection yields a query and a gate for each head, laid out
+      per head as ``[query (head_dim), gate (head_dim)]``; the output is
+      ``o_proj(attn * sigmoid(gate))`` (Qwen3-Next / Qwen3.5's attention,
+      ``attn_output_gate``);
+    - ``partial_rotary_factor``: rotary on the first ``int(head_dim * factor)`` dims of each
+      head only (even), the rest unrotated; its frequencies are those of a head of that
+      size (transformers' ``partial_rotary_factor`` in ``rope_parameters`` or the config);
+    - ``rotary``: False for no positional encoding at all (NoPE: OLMo hybrid's released
+      checkpoints, ``rope_parameters`` None);
+    - ``qk_norm_scope`` (with ``cfg.qk_norm``): ``"head"`` one RMSNorm over each head's
+      dims, shared by the heads (Qwen3, Qwen3-Next); ``"all"`` one RMSNorm over the whole
+      q projection and one over the whole k projection, before the split into heads
+      (OLMo 2/3 and OLMo hybrid's ``q_norm``/``k_norm``);
+    - ``value_head_dim``: the head dim of the values and the attention output, when it
+      differs from the query/key head dim ``cfg.head_dim`` (MiMo-V2-Flash's ``v_head_dim``);
+    - ``value_scale``: values are multiplied by it before attention, and cached so
+      (MiMo-V2-Flash's ``attention_value_scale``);
+    - ``sinks``: a learned logit per query head (parameter ``sinks`` [n_heads]) that joins
+      every softmax row without a value (MiMo-V2-Flash's window layers, gpt-oss).
+
+    Example:
+        >>> from hyla.model.config import HylaConfig
+        >>> cfg = HylaConfig(vocab_size=256, d_model=64, layers="A", n_heads=4, ffn_dim=128,
+        ...                  mixer_options={"attention": {"output_gate": True}})
+        >>> AttentionMixer(cfg).q_proj.weight.shape
+        torch.Size([128, 64])
+    """
+
+    output_gate: bool = False
+    partial_rotary_factor: float = 1.0
+    rotary: bool = True
+    qk_norm_scope: str = "head"
+    value_head_dim: int | None = None
+    value_scale: float = 1.0
+    sinks: bool = False
+
+    def __post_init__(self):
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], "
+                             f"got {self.partial_rotary_factor}")
+        if self.qk_norm_scope not in ("head", "all"):
+            raise ValueError(f"qk_norm_scope must be 'head' or 'all', got {self.qk_norm_scope!r}")
+        if self.value_head_dim is not None and self.value_head_dim <= 0:
+            raise ValueError(f"value_head_dim must be a positive int or None, "
+                             f"got {self.value_head_dim}")
 
 
 @register_mixer("A")
@@ -20,11 +75,12 @@ class AttentionMixer(Mixer):
     """Causal softmax attention (``cfg.n_kv_heads`` key/value heads, Llama's rotary layout).
 
     What the transformers families need is configuration (:class:`~hyla.model.HylaConfig`):
-    q/k/v biases (``attention_bias``) and an o bias (``attention_out_bias``), RMSNorm per
-    head on q and k before rotary (``qk_norm``), a head dim of its own
-    (``attention_head_dim``), scaled RoPE (``rope_scaling``) and a causal sliding window
-    (``sliding_window``: training, prefill and decode alike; decode reads only the blocks
-    the window covers).
+    q/k/v biases (``attention_bias``) and an o bias (``attention_out_bias``), RMSNorm on q
+    and k before rotary (``qk_norm``; zero-centred with ``norm_zero_centred``), a head dim of
+    its own (``attention_head_dim``), scaled RoPE (``rope_scaling``) and a causal sliding
+    window (``sliding_window``: training, prefill and decode alike; decode reads only the
+    blocks the window covers), plus :class:`AttentionOptions` (output gate, partial rotary,
+    NoPE, whole-projection q/k norms, a value head dim, a value scale, sinks).
 
     Example:
         >>> from hyla.model.config import preset
@@ -37,30 +93,62 @@ class AttentionMixer(Mixer):
 
     kind = "attention"
     state_label = "attention KV"
+    options_class = AttentionOptions
 
     def __init__(self, cfg, layer_idx: int = 0):
         super().__init__(cfg, layer_idx)
-        d, hd = cfg.d_model, cfg.head_dim
-        self.q_proj = nn.Linear(d, cfg.n_heads * hd, bias=cfg.attention_bias)
+        o = self.opts
+        d, hd, vd = cfg.d_model, cfg.head_dim, self.value_head_dim(cfg)
+        q_out = cfg.n_heads * hd * (2 if o.output_gate else 1)
+        self.q_proj = nn.Linear(d, q_out, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(d, cfg.kv_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(d, cfg.kv_dim, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.n_heads * hd, d, bias=cfg.attention_out_bias)
+        self.v_proj = nn.Linear(d, cfg.n_kv_heads * vd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * vd, d, bias=cfg.attention_out_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, eps=cfg.norm_eps)
-            self.k_norm = RMSNorm(hd, eps=cfg.norm_eps)
+            whole = o.qk_norm_scope == "all"
+            z = cfg.norm_zero_centred
+            self.q_norm = RMSNorm(cfg.n_heads * hd if whole else hd, eps=cfg.norm_eps,
+                                  zero_centred=z)
+            self.k_norm = RMSNorm(cfg.kv_dim if whole else hd, eps=cfg.norm_eps, zero_centred=z)
+        if o.sinks:
+            self.sinks = nn.Parameter(torch.zeros(cfg.n_heads))
+
+    @classmethod
+    def value_head_dim(cls, cfg) -> int:
+        """The head dim of this layer's values (``value_head_dim`` or ``cfg.head_dim``)."""
+        return cls.options(cfg).value_head_dim or cfg.head_dim
+
+    @classmethod
+    def rotary_dim(cls, cfg) -> int:
+        """How many leading dims of each q/k head rotary turns (0 without rotary)."""
+        o = cls.options(cfg)
+        return int(cfg.head_dim * o.partial_rotary_factor) if o.rotary else 0
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        o = cls.options(cfg)
+        if o.rotary and cls.rotary_dim(cfg) % 2:
+            raise ValueError(f"mixer_options['attention']: partial_rotary_factor="
+                             f"{o.partial_rotary_factor} gives {cls.rotary_dim(cfg)} rotary "
+                             f"dims of head_dim={cfg.head_dim}: expected an even number")
+        if o.output_gate and cls.value_head_dim(cfg) != cfg.head_dim:
+            raise ValueError("mixer_options['attention']: output_gate needs value_head_dim "
+                             "equal to the head dim (the gate has head_dim per head)")
 
     @classmethod
     def state_spec(cls, cfg) -> StateSpec:
-        row = (cfg.n_kv_heads, cfg.head_dim)
-        return StateSpec(cls.kind, per_token=(TensorSpec("keys", row), TensorSpec("values", row)))
+        keys, values = (cfg.n_kv_heads, cfg.head_dim), (cfg.n_kv_heads, cls.value_head_dim(cfg))
+        return StateSpec(cls.kind, per_token=(TensorSpec("keys", keys),
+                                              TensorSpec("values", values)))
 
     @classmethod
     def pair_flops(cls, cfg) -> float:
-        return 4 * cfg.n_heads * cfg.head_dim                          # QK^T and PV
+        return 2 * cfg.n_heads * (cfg.head_dim + cls.value_head_dim(cfg))   # QK^T and PV
 
     @classmethod
     def copies_attention(cls, teacher_cfg, cfg) -> bool:
-        return cfg.n_kv_heads == teacher_cfg.n_kv_heads
+        return (cfg.n_kv_heads == teacher_cfg.n_kv_heads
+                and cls.options(cfg) == cls.options(teacher_cfg))
 
     @torch.no_grad()
     def init_from_attention(self, teacher: nn.Module) -> None:
@@ -78,15 +166,41 @@ class AttentionMixer(Mixer):
             self.get_parameter(name).copy_(tensor)
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor, lengths=None):
+        """q, k [B, T, H(_kv), head_dim] (normed, rotated), v [B, T, H_kv, value_head_dim]
+        (scaled) and the output gate [B, T, H * head_dim] (None without one)."""
         B, T, _ = x.shape
-        c = self.cfg
-        q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim)
-        k = self.k_proj(x).view(B, T, c.n_kv_heads, c.head_dim)
-        v = self.v_proj(x).view(B, T, c.n_kv_heads, c.head_dim)
-        if c.qk_norm:
+        c, o = self.cfg, self.opts
+        q, gate = self.q_proj(x), None
+        if o.output_gate:       # per head: [query, gate], as Qwen3-Next lays q_proj out
+            q, gate = q.view(B, T, c.n_heads, 2 * c.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(B, T, -1)
+        k = self.k_proj(x)
+        if c.qk_norm and o.qk_norm_scope == "all":
+            q, k = self.q_norm(q.reshape(B, T, -1)), self.k_norm(k)
+        q = q.reshape(B, T, c.n_heads, c.head_dim)
+        k = k.view(B, T, c.n_kv_heads, c.head_dim)
+        v = self.v_proj(x).view(B, T, c.n_kv_heads, -1)
+        if o.value_scale != 1.0:
+            v = v * o.value_scale
+        if c.qk_norm and o.qk_norm_scope == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        return (apply_rotary(q, positions, c.rope_theta, c.rope_scaling, lengths),
-                apply_rotary(k, positions, c.rope_theta, c.rope_scaling, lengths), v)
+        return self._rotate(q, positions, lengths), self._rotate(k, positions, lengths), v, gate
+
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, lengths) -> torch.Tensor:
+        c = self.cfg
+        rot = self.rotary_dim(c)
+        if rot == 0:
+            return x
+        if rot == c.head_dim:
+            return apply_rotary(x, positions, c.rope_theta, c.rope_scaling, lengths)
+        turned = apply_rotary(x[..., :rot], positions, c.rope_theta, c.rope_scaling, lengths)
+        return torch.cat([turned, x[..., rot:]], dim=-1)
+
+    def _output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        o = o.reshape(*o.shape[:2], -1)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)
 
     def _rope_lengths(self, ctx) -> torch.Tensor | None:
         """Dynamic RoPE rescales by the length a forward sees (transformers'
@@ -105,19 +219,22 @@ class AttentionMixer(Mixer):
         return pos + 1
 
     def attention_qk(self, x: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, _ = self._project(x, ctx.positions, self._rope_lengths(ctx))
+        q, k, _, _ = self._project(x, ctx.positions, self._rope_lengths(ctx))
         return q, k
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         if ctx.mode == "decode":
             return self._attend_step(x, ctx)
-        q, k, v = self._project(x, ctx.positions, self._rope_lengths(ctx))
+        q, k, v, gate = self._project(x, ctx.positions, self._rope_lengths(ctx))
         if ctx.mode == "train":
             o = attention(q, k, v, causal=True, cu_seqlens=ctx.cu_seqlens,
-                          window=self.cfg.sliding_window)
+                          window=self.cfg.sliding_window, sinks=self._sinks())
         else:
             o = self._attend_chunks(q, k, v, ctx)
-        return self.o_proj(o.reshape(*o.shape[:2], -1))
+        return self._output(o, gate)
+
+    def _sinks(self) -> torch.Tensor | None:
+        return self.sinks if self.opts.sinks else None
 
     def _attend_chunks(self, q, k, v, ctx) -> torch.Tensor:
         buf = ctx.buffers[self.layer_idx]
@@ -128,7 +245,8 @@ class AttentionMixer(Mixer):
         for j, (start, n) in enumerate(zip(ctx.starts, ctx.lengths, strict=True)):
             qc = q[:, s:s + n]
             if start == 0:      # the chunk is all there is: attend to its fresh keys
-                o = attention(qc, k[:, s:s + n], v[:, s:s + n], causal=True, window=window)
+                o = attention(qc, k[:, s:s + n], v[:, s:s + n], causal=True, window=window,
+                              sinks=self._sinks())
             else:
                 # with a window, rows before the first query's window are never read (the
                 # engine may have freed their blocks)
@@ -136,7 +254,7 @@ class AttentionMixer(Mixer):
                 keys = ctx.sequence_rows(buf["keys"], j, start + n, first)[None].to(q.dtype)
                 values = ctx.sequence_rows(buf["values"], j, start + n, first)[None].to(q.dtype)
                 o = attention_with_cache(qc, keys, values, torch.tensor([start + n - first]),
-                                         window=window)
+                                         window=window, sinks=self._sinks())
             outs.append(o)
             s += n
         return torch.cat(outs, dim=1)
@@ -145,8 +263,8 @@ class AttentionMixer(Mixer):
         buf = ctx.buffers[self.layer_idx]
         positions = ctx.positions
         lengths = self._rope_lengths(ctx)
-        q, k, v = self._project(x, positions[:, None],
-                                None if lengths is None else lengths[:, None])
+        q, k, v, gate = self._project(x, positions[:, None],
+                                      None if lengths is None else lengths[:, None])
         ctx.append_rows(buf["keys"], k[:, 0])
         ctx.append_rows(buf["values"], v[:, 0])
         window = self.cfg.sliding_window
@@ -160,10 +278,13 @@ class AttentionMixer(Mixer):
             keys, values = keys.to(q.dtype), values.to(q.dtype)
             mask = valid & window_mask(positions[:, None], key_pos, window)[:, 0]
         # Inline masked SDPA: attention_with_cache's range checks would break a compiled graph.
+        mask, scale = mask[:, None, None], None
+        if self.opts.sinks:
+            q, keys, values, mask, scale = with_sinks(q, keys, values, mask, self.sinks)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
-                                           values.transpose(1, 2), attn_mask=mask[:, None, None],
+                                           values.transpose(1, 2), attn_mask=mask, scale=scale,
                                            enable_gqa=keys.shape[2] != q.shape[2])
-        return self.o_proj(o.transpose(1, 2).reshape(x.shape[0], 1, -1))
+        return self._output(o.transpose(1, 2), gate)
 
     def _window_rows(self, buf, ctx):
         """Decode with a sliding window: only the blocks the window covers, a fixed number a
