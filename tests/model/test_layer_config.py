@@ -76,3 +76,18 @@ def test_prefill_decode_equals_forward_with_overrides():
 def test_bad_layer_fields_are_refused(change, match):
     with pytest.raises(ValueError, match=match):
         dataclasses.replace(hybrid(), **change)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"ffn_layers": "SE", "ffn_options": MOE}, "ffn_layers='SE' has no Llama"),
+    ({"layer_overrides": [{}, {"sliding_window": 4}]}, "layer_overrides=.* has no Llama"),
+    ({"mixer_options": {"attention": {"output_gate": True}}}, "mixer_options=.* has no Llama"),
+    ({"family": "qwen3_next"}, "export it with --format transformers"),
+])
+def test_llama_export_refuses_what_llama_cannot_hold(change, match):
+    from hyla.data import ByteTokenizer
+    from hyla.model.formats.hf import export_hf
+
+    cfg = dataclasses.replace(preset("debug"), layers="AA", **change)
+    with pytest.raises(ValueError, match=match):
+        export_hf(HylaLM(cfg), ByteTokenizer(), tempfile.mkdtemp(), fmt="llama")

@@ -330,6 +330,21 @@ def export_family(cfg: HylaConfig) -> str:
     return "llama"
 
 
+def _check_plain_attention(cfg: HylaConfig, fmt: str) -> None:
+    """ValueError naming the field when ``cfg`` has what Llama, Mistral and Qwen cannot hold
+    (their export would silently compute something else)."""
+    if cfg.family is not None:
+        raise ValueError(f"this model is a {cfg.family!r} model: export it with "
+                         f"--format transformers, not {fmt}")
+    plain = {"ffn_layers": (None, "S" * cfg.n_layers), "mixer_options": ({},),
+             "ffn_options": ({},), "layer_overrides": (None,), "norm_zero_centred": (False,),
+             "norm_placement": ("pre",)}
+    for name, allowed in plain.items():
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"{name}={getattr(cfg, name)!r} has no Llama / Mistral / Qwen "
+                             f"equivalent: this model cannot be exported as {fmt}")
+
+
 def hyla_to_hf_config(cfg: HylaConfig, max_positions: int = 32768) -> dict:
     """The transformers config.json of an all-attention hyla config (:func:`export_family`)."""
     kind = export_family(cfg)
@@ -386,6 +401,7 @@ def export_hf(model: HylaLM, tokenizer, out_dir: str | os.PathLike, *,
     if set(cfg.layers) != {"A"}:
         raise ValueError(f"only a model whose layers are all 'A' exports to {fmt}: this one has "
                          f"layers={cfg.layers!r} (GLA layers have no transformers equivalent)")
+    _check_plain_attention(cfg, fmt)
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}
