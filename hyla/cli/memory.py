@@ -4,6 +4,8 @@
 Example:
     $ hyla memory --preset laplace-3b --context 8K --budget-gib 80
     $ hyla memory --preset laplace-3b --context 8192 --json
+    $ hyla memory --checkpoint path/to/Qwen3-Next-80B-A3B --context 128K   # config.json only
+    $ hyla memory --checkpoint path/to/config.json --context 32K
     $ hyla info
 """
 
@@ -16,7 +18,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from hyla.cli.common import DEFAULT_BUDGET_GIB, memory_table, published_line
+from hyla.cli.common import DEFAULT_BUDGET_GIB, format_bytes, memory_table, published_line
 
 
 def add_memory(sub) -> argparse.ArgumentParser:
@@ -30,7 +32,11 @@ def add_memory(sub) -> argparse.ArgumentParser:
             raise argparse.ArgumentTypeError(str(e)) from None
 
     p = sub.add_parser("memory", help="per-sequence state of a hybrid vs an all-attention KV cache")
-    p.add_argument("--preset", required=True, help="debug, small, laplace-3b")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--preset", help="debug, small, laplace-3b")
+    which.add_argument("--checkpoint", metavar="DIR|CONFIG.json",
+                       help="a model directory (hyla, transformers, fla) or its config.json: "
+                            "only the config is read, the model is sized on the meta device")
     p.add_argument("--context", required=True, type=context, help="tokens, e.g. 8192 or 8K")
     p.add_argument("--budget-gib", type=float, default=DEFAULT_BUDGET_GIB,
                    help=f"memory for weights + states (default {DEFAULT_BUDGET_GIB:g})")
@@ -52,15 +58,40 @@ COMMANDS = {"memory": add_memory, "info": add_info}
 def cmd_memory(args: argparse.Namespace, out: Console) -> int:
     from hyla.eval.memory import memory_report
 
-    report = memory_report(args.preset, args.context, budget_gib=args.budget_gib)
+    if args.checkpoint is not None:
+        from hyla.model.sizing import read_config
+
+        cfg = read_config(args.checkpoint)
+        report = memory_report(cfg, args.context, budget_gib=args.budget_gib,
+                               model=_name(args.checkpoint, cfg))
+    else:
+        report = memory_report(args.preset, args.context, budget_gib=args.budget_gib)
     if args.json:
         sys.stdout.write(json.dumps(report) + "\n")
         return 0
-    out.print(memory_table(report))
+    table = memory_table(report)
+    table.title = f"Per-sequence memory of {report['model'] or 'config'} at " \
+                  f"{report['context']:,} tokens"
+    if report["moe_layers"] or report["attention_active_params"] != report["attention_params"]:
+        table.add_row("active parameters a token", f"{report['active_params'] / 1e6:,.1f}M",
+                      f"{report['attention_active_params'] / 1e6:,.1f}M")
+    if report["windowed_layers"]:
+        table.add_row(f"per sequence, {report['windowed_layers']} window layers keeping "
+                      f"their window only", format_bytes(report["bounded_state_bytes"]), "-")
+    out.print(table)
     line = published_line(report)
     if line:
         out.print(line)
     return 0
+
+
+def _name(source: str, cfg) -> str:
+    """What a sized model is called: its directory's name, and its family."""
+    import pathlib
+
+    path = pathlib.Path(source).resolve()
+    name = path.parent.name if path.is_file() else path.name
+    return f"{name} ({cfg.family})" if cfg.family else name
 
 
 def cmd_info(args: argparse.Namespace, out: Console) -> int:

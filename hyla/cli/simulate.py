@@ -8,6 +8,7 @@ Example:
     $ hyla simulate --list-traces                        # the built-in traces
     $ hyla profile --preset small --json cpu.json        # this machine's engine
     $ hyla simulate --profile cpu.json --rate 0.5        # every instance a process like it
+    $ hyla simulate --model path/to/Kimi-Linear-48B-A3B --seeds 1   # that architecture
     $ hyla kv-table
 """
 
@@ -88,6 +89,14 @@ def add_simulate(sub) -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, metavar="JSON",
                    help="a measured profile (hyla profile): every instance, local and remote, "
                         "is then one engine process like the profiled one, serving its preset")
+    p.add_argument("--model", default=None, metavar="DIR|CONFIG.json",
+                   help="simulate this architecture instead of the case study's 1T hybrid: a "
+                        "model directory (hyla, transformers, fla) or its config.json; state "
+                        "and KV bytes from its StateSpecs, prefill FLOPs from its active "
+                        "parameters (no weights are read)")
+    p.add_argument("--weight-bits", type=positive_float, default=16.0,
+                   help="with --model: bits a served weight takes (default 16, bf16; the case "
+                        "study's 1T model is served in 4)")
     p.add_argument("--seed", type=int, default=0, help="first seed")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
     p.set_defaults(func=cmd_simulate)
@@ -179,9 +188,16 @@ def run_simulate(args: argparse.Namespace, progress=None) -> dict:
     make = make_seed(args.seed, 0.0)
     model = published_1t_hybrid()
     deps = {n: deps[n] for n in names}
+    if args.model is not None:
+        if args.profile is not None:
+            raise ValueError("--model and --profile exclude each other: a measured profile "
+                             "serves its own preset")
+        model = model_spec(args.model, args.weight_bits, deps)
     if args.profile is not None:
         model, deps = _measured(args.profile, deps)
     cfg = SimConfig(link_gbps=args.link_gbps)
+    if args.model is not None:
+        cfg.kv_blocks = block_cap(model, deps, cfg, args.length_scale)
     calibration = None
     if args.fit_h200_mfu is not None:
         if args.rate is not None or args.profile is not None or \
@@ -211,7 +227,7 @@ def run_simulate(args: argparse.Namespace, progress=None) -> dict:
                                progress=progress)
     from hyla.disagg.sim.workload import SyntheticMix, describe
 
-    return {"setup": args.setup, "model": model.to_dict(),
+    return {"setup": args.setup, "model": model.to_dict(), "model_source": args.model,
             "workload": {"trace": args.trace, "length_scale": args.length_scale,
                          "output_scale": args.output_scale, "arrivals": arrivals,
                          "synthetic": args.trace is None,
@@ -223,6 +239,49 @@ def run_simulate(args: argparse.Namespace, progress=None) -> dict:
                        "screen_requests": args.screen_requests if screening else 0,
                        "stratify": SyntheticMix().stratify if args.trace is None else None},
             **res}
+
+
+def model_spec(source: str, weight_bits: float = 16.0, deps: dict | None = None):
+    """The simulator's :class:`~hyla.disagg.sim.hardware.ModelSpec` of a model directory or
+    config.json (only the config is read); ValueError when its weights at ``weight_bits``
+    do not fit an instance of ``deps``."""
+    import pathlib
+
+    from hyla.disagg.sim.hardware import spec_from_config
+    from hyla.model.sizing import read_config
+
+    if not 1 <= weight_bits <= 32:
+        raise ValueError(f"--weight-bits must be in [1, 32], got {weight_bits:g}")
+    cfg = read_config(source)
+    path = pathlib.Path(source).resolve()
+    name = path.parent.name if path.is_file() else path.name
+    spec = spec_from_config(cfg, name=name, weight_dtype_bytes=weight_bits / 8)
+    for dep in (deps or {}).values():
+        for prof in (dep.local, dep.remote):
+            if prof is not None and prof.free_bytes(spec) <= 0:
+                raise ValueError(f"--model {source}: its {spec.total_params / 1e9:,.1f}B "
+                                 f"weights at {weight_bits:g} bits "
+                                 f"({spec.weight_bytes / 1e9:,.0f} GB) do not fit one "
+                                 f"{prof.label()} instance of deployment {dep.name!r}: pass "
+                                 f"fewer --weight-bits")
+    return spec
+
+
+def block_cap(model, deps: dict, sim, length_scale: float = 1.0) -> int | None:
+    """KV blocks for each decode instance when more than enough fit, else None (all that fit).
+
+    Why: a small model's KV leaves room for tens of millions of blocks on an 8-GPU instance,
+    and the simulator's block manager keeps a list of them (minutes and gigabytes for
+    nothing). ``max_num_seqs`` sequences of 256K tokens (times ``length_scale``) each is more
+    than any workload asks of an instance, so capping there changes no result.
+    """
+    if not model.kv_bytes_per_token:
+        return None
+    cap = int(sim.max_num_seqs * (1 << 18) * max(1.0, length_scale) // sim.block_size)
+    fits = [(p.free_bytes(model) - sim.max_num_seqs * model.state_bytes)
+            // (sim.block_size * model.kv_bytes_per_token)
+            for d in deps.values() for p in (d.local, d.remote) if p is not None]
+    return cap if min(fits) > cap else None
 
 
 def _measured(path: str, deps: dict) -> tuple:

@@ -13,12 +13,12 @@ attention in every layer.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 
 import torch
 
+from hyla.model import sizing
 from hyla.model.config import HylaConfig, preset
 from hyla.model.mixers import MIXERS, AttentionMixer, layer_specs
 
@@ -105,53 +105,63 @@ def num_parameters(cfg: HylaConfig) -> int:
         >>> num_parameters(preset("laplace-3b"))
         3028938240
     """
-    from hyla.model import HylaLM  # the model package imports ops; keep memory.py light
-
-    with torch.device("meta"), _skip_init():
-        model = HylaLM(cfg)
-    return model.num_parameters()
+    return sizing.meta_model(cfg).num_parameters()
 
 
-_INITS = ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
-          "xavier_uniform_", "xavier_normal_", "zeros_", "ones_", "constant_")
+# Fields of a layer's feed-forward half: the all-attention baseline keeps each layer's own.
+_FFN_FIELDS = ("ffn_dim", "ffn_options")
 
 
-@contextlib.contextmanager
-def _skip_init():
-    """Make ``torch.nn.init`` initialisers no-ops (meta tensors have no values anyway).
-
-    Why: on the meta device torch's ``normal_`` goes through a reference implementation that
-    imports ``torch._dynamo``, about 3 s the first time in a process, for nothing.
-    """
-    saved = {name: getattr(torch.nn.init, name) for name in _INITS
-             if hasattr(torch.nn.init, name)}
-    try:
-        for name in saved:
-            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.nn.init, name, fn)
+def full_attention_layer(cfg: HylaConfig) -> int | None:
+    """The first layer whose state grows a row a token and that sees the whole context
+    (softmax attention, MLA, ... without a sliding window); None when there is none."""
+    windows = sizing.layer_windows(cfg)
+    for i, spec in enumerate(layer_specs(cfg)):
+        if spec.per_token and windows[i] is None:
+            return i
+    return None
 
 
 def all_attention(cfg: HylaConfig) -> HylaConfig:
-    """The baseline: ``cfg`` with every layer softmax attention."""
-    return dataclasses.replace(cfg, layers=AttentionMixer.letter * cfg.n_layers)
+    """The baseline: ``cfg`` with every layer its first full-attention layer (the same kind,
+    heads and options, e.g. MLA for Kimi Linear), or hyla's ``A`` with ``cfg``'s attention
+    fields when it has none. Each layer keeps its own FFN (dense or MoE), so width, depth
+    and FFNs, hence nearly the active parameters, are the model's.
+
+    Example:
+        >>> cfg = HylaConfig(vocab_size=256, d_model=64, layers="GAA", n_heads=4, ffn_dim=128,
+        ...                  layer_overrides=[{}, {"sliding_window": 8}, {"n_kv_heads": 2}])
+        >>> base = all_attention(cfg)
+        >>> base.layers, [base.layer_config(i).n_kv_heads for i in range(3)]
+        ('AAA', [2, 2, 2])
+    """
+    ref = full_attention_layer(cfg)
+    letter = AttentionMixer.letter if ref is None else cfg.layers[ref]
+    if not cfg.layer_overrides:
+        return dataclasses.replace(cfg, layers=letter * cfg.n_layers)
+    mixer = {} if ref is None else {k: v for k, v in cfg.layer_overrides[ref].items()
+                                    if k not in _FFN_FIELDS}
+    overrides = [{**{k: v for k, v in o.items() if k in _FFN_FIELDS}, **mixer}
+                 for o in cfg.layer_overrides]
+    return dataclasses.replace(cfg, layers=letter * cfg.n_layers, layer_overrides=overrides)
 
 
 def _kind_rows(cfg: HylaConfig, context: int, kv_dtype: torch.dtype) -> list[dict]:
     """Per layer kind in the hybrid or its all-attention baseline: its label, layer counts
-    and state bytes in both, and the dtype its state is kept in."""
+    and state bytes in both, and the dtypes its state is kept in (read from every layer's
+    own StateSpec: layers of one kind may differ)."""
     base = all_attention(cfg)
     hybrid, baseline = state_bytes(cfg, context, kv_dtype), state_bytes(base, context, kv_dtype)
+    specs = [*zip(cfg.layers, layer_specs(cfg), strict=True),
+             *zip(base.layers, layer_specs(base), strict=True)]
     rows = []
     letters = sorted(MIXERS, key=lambda c: (cfg.layers + base.layers + c).index(c))
     for letter in letters:          # in the order the hybrid's layers first use them
         mixer = MIXERS[letter]
         n, nb = cfg.layers.count(letter), base.layers.count(letter)
         if n or nb:
-            spec = mixer.state_spec(cfg)
-            dtypes = {str(e.resolve(kv_dtype)).removeprefix("torch.") for e in spec.entries}
+            dtypes = {str(e.resolve(kv_dtype)).removeprefix("torch.")
+                      for c, spec in specs if c == letter for e in spec.entries}
             rows.append({"kind": mixer.kind, "label": mixer.label, "layers": n,
                          "baseline_layers": nb, "bytes": hybrid[mixer.kind],
                          "baseline_bytes": baseline[mixer.kind],
@@ -172,7 +182,7 @@ def _fit(budget_bytes: float | None, weight_bytes: int, per_sequence: int) -> in
 
 def memory_report(cfg: HylaConfig | str, context: int | str, budget_gib: float | None = None,
                   *, kv_dtype: torch.dtype = torch.bfloat16,
-                  weight_dtype: torch.dtype = torch.bfloat16) -> dict:
+                  weight_dtype: torch.dtype = torch.bfloat16, model: str | None = None) -> dict:
     """Hybrid state vs all-attention KV cache at ``context`` tokens, plus what fits in memory.
 
     ``cfg`` is a config or a preset name. With ``budget_gib``, ``sequences_fit`` says how many
@@ -185,6 +195,12 @@ def memory_report(cfg: HylaConfig | str, context: int | str, budget_gib: float |
     ``weight_bytes``, ``attention_params``, ``attention_weight_bytes``, ``budget_gib``,
     ``sequences_fit`` ({"hybrid", "attention"}, None without a budget), ``kv_dtype``,
     ``weight_dtype``, and ``published`` (figures published for this preset, or None).
+    Also ``model`` (``model``, e.g. the directory a config came from, or the preset name),
+    ``active_params`` and ``attention_active_params`` (a token's: a mixture of experts
+    counts its routed top-k and shared experts; :func:`hyla.model.sizing.parameter_counts`),
+    ``moe_layers``, ``windowed_layers`` (layers with a sliding window) and
+    ``bounded_state_bytes``: the state when those layers keep only their window (the
+    StateSpecs' ``state_bytes`` keeps every token's keys).
 
     Example:
         >>> r = memory_report("laplace-3b", "8K", budget_gib=80)
@@ -200,9 +216,11 @@ def memory_report(cfg: HylaConfig | str, context: int | str, budget_gib: float |
     state = state_bytes(cfg, n, kv_dtype)
     kv = kv_cache_bytes(cfg, n, kv_dtype)
     wbytes = _dtype_bytes(weight_dtype)
-    params = num_parameters(cfg)
+    counts = sizing.parameter_counts(cfg)
+    params = counts["total"]
     baseline = all_attention(cfg)
-    attn_params = params if cfg.layers == baseline.layers else num_parameters(baseline)
+    base_counts = counts if baseline == cfg else sizing.parameter_counts(baseline)
+    attn_params = base_counts["total"]
     budget = budget_gib * GIB if budget_gib is not None else None
     fit = None
     if budget is not None:
@@ -211,16 +229,22 @@ def memory_report(cfg: HylaConfig | str, context: int | str, budget_gib: float |
     published = PUBLISHED.get(name) if name is not None else None
     return {
         "preset": name,
+        "model": model or name,
         "context": n,
         "state_bytes": state["total"],
+        "bounded_state_bytes": sizing.bounded_state_bytes(cfg, n, kv_dtype),
+        "windowed_layers": sum(w is not None for w in sizing.layer_windows(cfg)),
         "state_breakdown": {m.kind: state[m.kind] for m in MIXERS.values()},
         "kinds": _kind_rows(cfg, n, kv_dtype),
         "layers": {m.kind: cfg.layers.count(k) for k, m in MIXERS.items()},
         "kv_bytes": kv,
         "ratio": kv / state["total"],
         "params": params,
+        "active_params": counts["active"],
+        "moe_layers": counts["moe_layers"],
         "weight_bytes": params * wbytes,
         "attention_params": attn_params,
+        "attention_active_params": base_counts["active"],
         "attention_weight_bytes": attn_params * wbytes,
         "budget_gib": budget_gib,
         "sequences_fit": fit,

@@ -111,30 +111,53 @@ def _mix(layers: str) -> str:
     return "dense" if g == 0 else ("linear only" if a == 0 else f"{g // a}:1 hybrid")
 
 
-def spec_from_config(cfg, name: str | None = None, weight_dtype_bytes: int = 2,
+def spec_from_config(cfg, name: str | None = None, weight_dtype_bytes: float = 2,
                      kv_dtype=None) -> ModelSpec:
     """A :class:`ModelSpec` from a :class:`hyla.model.HylaConfig` (imports torch, lazily).
 
-    State and KV bytes come from the mixers' StateSpecs (through
-    :func:`hyla.eval.memory.state_bytes`, checked against a real ``SequenceState``), FLOPs
-    from the mixers' own counts; parameters from a meta-device model.
-    ``kv_dtype``: the attention KV's torch dtype (default bf16; hyla's CPU engine keeps fp32).
+    Read layer by layer from ``cfg.layer_config(i)`` (layers of one kind may differ):
+    state and KV bytes from each layer's StateSpec, FLOPs from its mixer's own counts.
+    Parameters from a meta-device model (:func:`hyla.model.sizing.parameter_counts`):
+    ``active_params`` are a token's block parameters (a mixture of experts counts its routed
+    top-k and shared experts; the embedding lookup and the output head, which prefill runs
+    for its last token only, are left out), ``weight_bytes`` all of them at
+    ``weight_dtype_bytes`` each. A sliding-window layer keeps its window: its keys count as
+    fixed state (``window`` tokens of them) and its (query, key) pairs, ``window`` a token,
+    as per-token work. ``kv_dtype``: the attention KV's torch dtype (default bf16; hyla's
+    CPU engine keeps fp32).
+
+    Example:
+        >>> from hyla.model.config import preset
+        >>> spec = spec_from_config(preset("debug"))
+        >>> spec.layers, spec.kv_bytes_per_token          # one A layer: 2 KV heads of 16
+        ('GGGA', 128)
     """
     import torch
 
-    from hyla.eval import memory
-    from hyla.model.mixers import MIXERS
+    from hyla.model import sizing
+    from hyla.model.mixers import MIXERS, layer_specs
 
-    params = memory.num_parameters(cfg)
-    state = memory.state_bytes(cfg, 1, kv_dtype or torch.bfloat16)
-    mixers = [MIXERS[c] for c in cfg.layers]
+    kv_dtype = kv_dtype or torch.bfloat16
+    counts = sizing.parameter_counts(cfg)
+    kv_token = state = 0
+    pair = token = 0.0
+    windows = sizing.layer_windows(cfg)
+    for i, (letter, spec) in enumerate(zip(cfg.layers, layer_specs(cfg), strict=True)):
+        mixer, layer, w = MIXERS[letter], cfg.layer_config(i), windows[i]
+        state += spec.fixed_bytes(kv_dtype)
+        token += mixer.token_flops(layer)
+        if w is None:
+            kv_token += spec.per_token_bytes(kv_dtype)
+            pair += mixer.pair_flops(layer)
+        else:
+            state += w * spec.per_token_bytes(kv_dtype)
+            token += w * mixer.pair_flops(layer)
     return ModelSpec(
         name=name or f"hyla {cfg.layers[:8]}{'...' if cfg.n_layers > 8 else ''}",
-        total_params=params, active_params=params, weight_bytes=params * weight_dtype_bytes,
-        kv_bytes_per_token=state["growing"], state_bytes=state["fixed"],
-        attn_pair_flops=sum(m.pair_flops(cfg) for m in mixers),
-        linear_token_flops=sum(m.token_flops(cfg) for m in mixers),
-        layers=cfg.layers, source="hyla config (mixer state specs)")
+        total_params=counts["total"], active_params=counts["matmul_active"],
+        weight_bytes=counts["total"] * weight_dtype_bytes, kv_bytes_per_token=kv_token,
+        state_bytes=state, attn_pair_flops=pair, linear_token_flops=token, layers=cfg.layers,
+        source="hyla config (per-layer state specs; active parameters)")
 
 
 @dataclass(kw_only=True)
