@@ -2,7 +2,8 @@
 
 ``G``: gated linear attention (:mod:`.gla`; with ``linear_window``, the linearised attention of
 :mod:`.window_gla`); ``A``: softmax attention (:mod:`.attention`);
-``D`` (and ``K``, its per-key-channel decay): the gated delta rule (:mod:`.deltanet`).
+``D`` (and ``K``, its per-key-channel decay): the gated delta rule (:mod:`.deltanet`);
+``M``: multi-head latent attention (:mod:`.mla`).
 A new kind is one module that subclasses :class:`Mixer` and registers its letter.
 """
 
@@ -18,8 +19,9 @@ from hyla.model.mixers.base import (
 )
 from hyla.model.mixers.deltanet import GatedDeltaMixer, KDAMixer
 from hyla.model.mixers.gla import GLAMixer
+from hyla.model.mixers.mla import MLAMixer
 from hyla.model.mixers.window_gla import WindowedGLAMixer
 
-__all__ = ["MIXERS", "AttentionMixer", "GLAMixer", "GatedDeltaMixer", "KDAMixer", "Mixer",
-           "StateSpec", "TensorSpec", "WindowedGLAMixer", "layer_specs", "mixer_of_kind",
+__all__ = ["MIXERS", "AttentionMixer", "GLAMixer", "GatedDeltaMixer", "KDAMixer", "MLAMixer",
+           "Mixer", "StateSpec", "TensorSpec", "WindowedGLAMixer", "layer_specs", "mixer_of_kind",
            "register_mixer"]
