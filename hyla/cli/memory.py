@@ -86,11 +86,14 @@ def cmd_memory(args: argparse.Namespace, out: Console) -> int:
 
 
 def _name(source: str, cfg) -> str:
-    """What a sized model is called: its directory's name, and its family."""
+    """What a sized model is called: its directory's name (a config file's own name unless
+    it is the directory's ``config.json``), and its family."""
     import pathlib
 
     path = pathlib.Path(source).resolve()
-    name = path.parent.name if path.is_file() else path.name
+    name = path.name
+    if path.is_file():
+        name = path.parent.name if path.name == "config.json" else path.stem
     return f"{name} ({cfg.family})" if cfg.family else name
 
 
