@@ -12,16 +12,16 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))    # tests/model: layer_checks
+from family_checks import check_export as check_family_export  # noqa: E402
+from family_checks import edit_config, rel, save, tensors  # noqa: E402,F401
 from layer_checks import (  # noqa: E402
     check_engine_greedy_matches_model_loop,
     check_prefill_only_hand_over,
     check_prefix_cache_snapshots,
 )
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hyla.model import load_model
-from hyla.model.formats.hf import export_hf
 from hyla.serve.engine import Engine, EngineConfig
 from hyla.serve.sequence import SamplingParams
 
@@ -49,19 +49,10 @@ def randomise(model, seed: int = 0):
     return model.eval()
 
 
-def save(model, path, bpe):
-    model.save_pretrained(path)
-    bpe.save(path / "tokenizer.json")
-    return path
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
-def tensors(path) -> dict[str, torch.Tensor]:
-    with safe_open(str(path / "model.safetensors"), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
 
 
 def check_logits_and_steps(ref, path) -> tuple[object, object, float, float]:
@@ -116,21 +107,12 @@ def check_state_bytes(model, config, n: int = 37) -> None:
 
 def check_export(model, tok, src, out, transformers, ref) -> None:
     """Export writes the family's own files: the same tensors (names, shapes, bits) as
-    transformers saved; load_model reads them back bit for bit; transformers loads the
-    export with equal logits."""
-    export_hf(model, tok, out, fmt="transformers")
+    transformers saved, read back bit for bit, equal logits in transformers."""
+    ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(7))
+    check_family_export(model, tok, out, transformers, ref, ids, tol=1e-5)
     mine, theirs = tensors(out), tensors(src)
     assert sorted(mine) == sorted(theirs)
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
-    back, _ = load_model(out)
-    assert back.cfg == model.cfg
-    a, b = model.state_dict(), back.state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert json.loads((out / "config.json").read_text())["model_type"] == model.cfg.family
-    again = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        assert rel(again(ids).logits, ref(ids).logits) <= 1e-5
 
 
 def add_mtp_layer(path, n_layers: int, field: str) -> None:
@@ -146,12 +128,3 @@ def add_mtp_layer(path, n_layers: int, field: str) -> None:
     cfg[field] = 1
     (path / "config.json").write_text(json.dumps(cfg))
 
-
-def edit_config(path, **changes) -> None:
-    cfg = json.loads((path / "config.json").read_text())
-    for k, v in changes.items():
-        if v is None:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = v
-    (path / "config.json").write_text(json.dumps(cfg))

@@ -10,11 +10,11 @@ import json
 
 import pytest
 import torch
+from family_checks import check_export, check_prefill_decode, rel
 from hf_reference import reference
 
 from hyla.data.tokenizer import train_bpe
 from hyla.model import load_model
-from hyla.model.formats.hf import export_hf
 from hyla.serve.engine import Engine, EngineConfig, kv_window
 from hyla.serve.sequence import SamplingParams
 
@@ -22,9 +22,6 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB, WINDOW, T = 300, 7, 24
 
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 def mimo_model(seed: int = 0, **overrides):
@@ -76,18 +73,8 @@ def test_logits_prefill_decode_and_export(saved, tmp_path):
     with torch.no_grad():
         ours, theirs = model(ids), ref(ids).logits
     assert rel(ours, theirs) <= 1e-4
-    state = model.new_state()           # prefill in two chunks, then decode token by token
-    steps = [model.prefill(ids[1, :9], state), model.prefill(ids[1, 9:17], state)]
-    steps += [model.decode(ids[1, t:t + 1], [state]) for t in range(17, T)]
-    assert rel(torch.cat(steps), ours[1]) <= 1e-4
-    # export: bit for bit back into hyla, equal logits in transformers
-    out = export_hf(model, tok, tmp_path / "export", fmt="transformers")
-    back, _ = load_model(out)
-    mine, again = model.state_dict(), back.state_dict()
-    assert mine.keys() == again.keys() and all(torch.equal(mine[k], again[k]) for k in mine)
-    hf_back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    with torch.no_grad():
-        assert rel(hf_back(ids).logits, theirs) <= 1e-4
+    check_prefill_decode(model, ids[1], ours[1], cuts=(9, 17))
+    check_export(model, tok, tmp_path / "export", transformers, ref, ids)
 
 
 def test_engine_greedy_and_prefix_cache_equal_transformers_generate(saved):

@@ -11,11 +11,11 @@ import json
 
 import pytest
 import torch
+from family_checks import check_export, check_prefill_decode, rel, save
 from hf_reference import reference
 
 from hyla.data.tokenizer import train_bpe
 from hyla.model import load_model
-from hyla.model.formats.hf import export_hf
 from hyla.serve.engine import Engine, EngineConfig
 from hyla.serve.sequence import SamplingParams
 
@@ -79,16 +79,6 @@ def hf_model(case, seed=0):
     return randomise(getattr(reference(module), cls)(config).eval(), seed)
 
 
-def save(model, path, bpe):
-    model.save_pretrained(path, safe_serialization=True)
-    bpe.save(path / "tokenizer.json")
-    return path
-
-
-def rel(a, b):
-    return float((a - b).norm() / b.norm())
-
-
 def ids_batch(seed=1):
     return torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(seed))
 
@@ -102,18 +92,8 @@ def test_matches_transformers_and_round_trips(tmp_path, bpe, case):
         ours, theirs = model(ids), ref(ids).logits
     assert rel(ours, theirs) <= 1e-4, rel(ours, theirs)
     assert tok.encode("def f(x):") == bpe.encode("def f(x):")
-    state = model.new_state()                   # prefill in two chunks, then decode
-    with torch.no_grad():
-        steps = [model.prefill(ids[0, :5], state), model.prefill(ids[0, 5:30], state)]
-        steps += [model.decode(ids[0, t:t + 1], [state]) for t in range(30, T)]
-    assert rel(torch.cat(steps), ours[0]) <= 1e-4
-    out = export_hf(model, tok, tmp_path / "export", fmt="transformers")
-    again, _ = load_model(out)
-    mine, back = model.state_dict(), again.state_dict()
-    assert mine.keys() == back.keys() and all(torch.equal(mine[k], back[k]) for k in mine)
-    hf_back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    with torch.no_grad():
-        assert rel(hf_back(ids).logits, theirs) <= 1e-4
+    check_prefill_decode(model, ids[0], ours[0], cuts=(5, 30))
+    check_export(model, tok, tmp_path / "export", transformers, ref, ids)
 
 
 @pytest.mark.parametrize("case", ["qwen3_next", "qwen3_5_text"])
