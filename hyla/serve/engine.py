@@ -310,6 +310,9 @@ class Engine:
         parts, seqs = [], []
         if out.decodes:
             t0 = time.perf_counter()
+            for s in out.decodes:
+                if s.num_computed_tokens == 0:  # a one-token prompt starts as a decode: its
+                    r.reset_slot(s.slot)        # slot still holds the last sequence's state
             d = sorted(out.decodes, key=lambda s: s.slot)   # consecutive slots: in place
             parts.append(r.decode([s.slot for s in d],
                                   [s.token_at(s.num_computed_tokens) for s in d],

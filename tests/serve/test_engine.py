@@ -239,3 +239,15 @@ def test_prefill_only_hands_over_a_state_that_decodes_like_local(layers):
     while dec.has_unfinished():
         dec.step()
     assert seq.output_ids == want
+
+
+def test_one_token_prompt_starts_from_a_clean_state_slot():
+    """A one-token prompt is scheduled as a decode; its slot must not keep the recurrent
+    state of the sequence that used it before."""
+    torch.manual_seed(0)
+    model = HylaLM(preset("debug")).eval()
+    eng = Engine(model, None, EngineConfig(max_model_len=64))
+    (first,) = eng.generate([[7]], GREEDY)
+    eng.generate([[1, 2, 3, 4]], GREEDY)
+    (again,) = eng.generate([[7]], GREEDY)
+    assert again.output_ids == first.output_ids == generate(model, [7], 12, temperature=0)
