@@ -311,13 +311,23 @@ def _broken(src, tmp_path, how):
         shard = sorted(set(index["weight_map"].values()))[1]
         (path / shard).unlink()
         return path, shard
-    assert how == "gelu"                        # an activation no family of hyla's has
-    (path / "config.json").write_text(json.dumps(config | {"hidden_act": "gelu"}))
-    return path, "hidden_act='gelu'"
+    changes, needle = {      # a field changed so that the file's tensors no longer fit, or
+        "gelu": ({"hidden_act": "gelu"}, "hidden_act='gelu'"),     # no family has it
+        "head-dim": ({"linear_key_head_dim": 9}, "do not fit the layout"),
+        "tied-head": ({"tie_word_embeddings": True}, "lm_head.weight differs"),
+        "topk-group-0": ({"topk_group": 0}, "topk_group must be > 0"),
+        "no-shared-experts": ({"num_shared_experts": 0}, "holds weights although"),
+    }[how]
+    (path / "config.json").write_text(json.dumps(config | changes))
+    return path, needle
 
 
 HOSTILE = [("qwen3_next", "corrupt-config"), ("qwen3_next", "missing-shard"),
-           ("kimi_linear", "missing-shard")] + [(f, "gelu") for f in FAMILIES]
+           ("kimi_linear", "missing-shard"), ("qwen3_next", "head-dim"),
+           ("qwen3_next", "tied-head"), ("mimo_v2_flash", "tied-head"),
+           ("olmo_hybrid", "tied-head"), ("kimi_linear", "topk-group-0"),
+           ("mimo_v2_flash", "topk-group-0"), ("kimi_linear", "no-shared-experts"),
+           ] + [(f, "gelu") for f in FAMILIES]
 
 
 @pytest.mark.parametrize("family,how", HOSTILE)
@@ -341,3 +351,22 @@ def test_refusal_from_the_real_script(tmp_path, family_dirs):
                        timeout=120)
     assert r.returncode == 2 and needle in r.stderr.replace("\n", "")
     assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_export_keeps_what_other_engines_read(capsys, tmp_path, family_dirs):
+    """The source's context length and special token ids survive an export."""
+    src = family_dirs["kimi_linear"][1]
+    config = json.loads((src / "config.json").read_text())
+    config |= {"max_position_embeddings": 1234, "pad_token_id": 3}
+    path = tmp_path / "kimi"
+    shutil.copytree(src, path)
+    (path / "config.json").write_text(json.dumps(config))
+    assert hyla(capsys, "export", path, tmp_path / "out")[0] == 0
+    out = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert out["max_position_embeddings"] == 1234 and out["pad_token_id"] == 3
+
+
+def test_distill_refuses_a_teacher_it_cannot_start_from(capsys, tmp_path, family_dirs):
+    code, _, err = hyla(capsys, "distill", "--teacher", family_dirs["mimo_v2_flash"][1],
+                        "--layers", "GAGA", "--out", tmp_path / "run")
+    assert code != 0 and "has mixer_options" in err.replace("\n", "")

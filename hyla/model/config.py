@@ -72,8 +72,11 @@ class HylaConfig:
     # "pre": x + f(norm(x)); "post": x + norm(f(x)) (OLMo's attention blocks).
     norm_placement: str = "pre"
     # The transformers model_type a model was loaded from, which export writes back; None
-    # for hyla's own models.
+    # for hyla's own models. hf_extras: fields of its config.json that do not change what
+    # the model computes but that other engines read (max_position_embeddings, the special
+    # token ids), written back unchanged.
     family: str | None = None
+    hf_extras: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "ffn_dim", "gate_low_rank_dim"):
@@ -229,7 +232,8 @@ class HylaConfig:
 
 # Fields that shape the whole model and so cannot differ by layer.
 _GLOBAL_FIELDS = {"vocab_size", "d_model", "layers", "ffn_layers", "layer_overrides",
-                  "tie_embeddings", "family", "initializer_range", "norm_zero_centred"}
+                  "tie_embeddings", "family", "hf_extras", "initializer_range",
+                  "norm_zero_centred"}
 
 
 def debug() -> HylaConfig:

@@ -74,6 +74,12 @@ def load_teacher(path: str):
     if set(model.cfg.layers) != {"A"}:
         raise ValueError(f"--teacher {str(path)!r} has layers={model.cfg.layers!r}: expected an "
                          f"all-attention model")
+    for name in ("mixer_options", "layer_overrides"):
+        if getattr(model.cfg, name):
+            raise ValueError(f"--teacher {str(path)!r} has {name} (attention that differs by "
+                             f"layer or has gates, sinks or other value dims, as MiMo-V2-Flash "
+                             f"does): distillation starts students from plain attention "
+                             f"layers only")
     return model.eval().requires_grad_(False), tok
 
 

@@ -378,6 +378,9 @@ def export_fla(model: HylaLM, tokenizer, out_dir: str | os.PathLike) -> pathlib.
         [3]
     """
     cfg = model.cfg
+    if cfg.family is not None:
+        raise ValueError(f"this model is a {cfg.family!r} model: export it with --format "
+                         f"transformers (its own format); fla's GLA format holds GLA hybrids")
     config = hyla_to_fla_config(cfg)
     layout = _FlaLayout(gla_kv_heads=cfg.n_heads, fuse_norm=True, norm_weights=True)
     sd = {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}

@@ -30,6 +30,7 @@ them (:func:`export_family`); ``transformers`` loads it and gives the same logit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -46,6 +47,8 @@ from hyla.model.model import HylaLM
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 EXPORT_FORMATS = ("transformers", "llama")
+# config.json fields a family model keeps from its source and writes back on export.
+HF_EXTRAS = ("max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
 
 _LAYER_MAP = {  # hyla block suffix -> transformers decoder-layer suffix
     "mixer_norm.weight": "input_layernorm.weight",
@@ -277,6 +280,10 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     family = FAMILIES.get(hf.get("model_type")) if isinstance(hf, dict) else None
     if family is not None:
         cfg = family.to_config(hf, source)
+        text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+        kept = {k: text.get(k, hf.get(k)) for k in HF_EXTRAS}
+        cfg = dataclasses.replace(cfg, hf_extras={k: v for k, v in kept.items()
+                                                  if v is not None})
         state = family.to_state(_read_weights(root, dtype), cfg, str(root / "model.safetensors"))
     else:
         cfg = hf_config_to_hyla(hf, source)
@@ -335,7 +342,7 @@ def _check_plain_attention(cfg: HylaConfig, fmt: str) -> None:
     (their export would silently compute something else)."""
     if cfg.family is not None:
         raise ValueError(f"this model is a {cfg.family!r} model: export it with "
-                         f"--format transformers, not {fmt}")
+                         f"--format transformers (its own format), not {fmt}")
     plain = {"ffn_layers": (None, "S" * cfg.n_layers), "mixer_options": ({},),
              "ffn_options": ({},), "layer_overrides": (None,), "norm_zero_centred": (False,),
              "norm_placement": ("pre",)}
@@ -398,10 +405,10 @@ def export_hf(model: HylaLM, tokenizer, out_dir: str | os.PathLike, *,
     family = FAMILIES.get(cfg.family) if fmt == "transformers" else None
     if family is not None:
         return _export_family(model, tokenizer, out_dir, family)
+    _check_plain_attention(cfg, fmt)
     if set(cfg.layers) != {"A"}:
         raise ValueError(f"only a model whose layers are all 'A' exports to {fmt}: this one has "
                          f"layers={cfg.layers!r} (GLA layers have no transformers equivalent)")
-    _check_plain_attention(cfg, fmt)
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}
@@ -430,5 +437,6 @@ def _export_family(model: HylaLM, tokenizer, out_dir, family) -> pathlib.Path:
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     hf_cfg = family.from_config(model.cfg)
     hf_cfg |= save_hf_tokenizer(tokenizer, out)
+    hf_cfg |= model.cfg.hf_extras           # the source's own values win over defaults
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n", encoding="utf-8")
     return out

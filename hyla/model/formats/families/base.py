@@ -11,6 +11,8 @@ file and the field.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,10 +46,31 @@ FAMILIES: dict[str, Family] = {}
 
 
 def register_family(family: Family) -> Family:
-    """Make ``family`` the reader and writer of each of its ``model_types``."""
+    """Make ``family`` the reader and writer of each of its ``model_types``. Its readers are
+    guarded: a file whose fields or tensors do not fit the family's layout (a shape that
+    cannot split, a field of the wrong type) is a ValueError naming the file, never a
+    traceback from deep inside a reshape."""
+    family = dataclasses.replace(family, to_config=_guarded(family.to_config, "config"),
+                                 to_state=_guarded(family.to_state, "tensors"))
     for model_type in family.model_types:
         FAMILIES[model_type] = family
     return family
+
+
+def _guarded(read: Callable, what: str) -> Callable:
+    if getattr(read, "guarded", False):
+        return read
+
+    @functools.wraps(read)
+    def call(*args):
+        try:
+            return read(*args)
+        except (KeyError, TypeError, RuntimeError, IndexError, AttributeError) as e:
+            raise ValueError(f"{args[-1]}: its {what} do not fit the layout this family "
+                             f"expects ({type(e).__name__}: {e})") from e
+
+    call.guarded = True
+    return call
 
 
 def require(hf: dict, key: str, source: str, kind: str):
@@ -80,6 +103,34 @@ def check_all_taken(weights: dict, source: str) -> None:
         raise ValueError(f"{source} has tensors the config does not account for: {left[:4]} "
                          f"({len(left)} in all): refused, since dropping them would change "
                          f"the model")
+
+
+def head_to_hyla(weights: dict, cfg: HylaConfig, source: str,
+                 prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """Embedding, final norm and lm_head by hyla's names. With tied embeddings a file's
+    ``lm_head.weight`` must equal the embedding (transformers would use a different one
+    untied, so loading it tied would compute something else)."""
+    out = {"embed.weight": take(weights, f"{prefix}embed_tokens.weight", source),
+           "norm.weight": take(weights, f"{prefix}norm.weight", source)}
+    head = weights.pop("lm_head.weight", None)
+    if not cfg.tie_embeddings:
+        if head is None:
+            raise ValueError(f"{source} has no tensor 'lm_head.weight' (tie_word_embeddings "
+                             f"is false)")
+        out["lm_head.weight"] = head
+    elif head is not None and not torch.equal(head, out["embed.weight"]):
+        raise ValueError(f"{source}: lm_head.weight differs from {prefix}embed_tokens.weight "
+                         f"although tie_word_embeddings is true")
+    return out
+
+
+def head_from_hyla(state: dict, cfg: HylaConfig, prefix: str = "model.") -> dict:
+    """The inverse of :func:`head_to_hyla` (a tied head is not written)."""
+    out = {f"{prefix}embed_tokens.weight": state["embed.weight"],
+           f"{prefix}norm.weight": state["norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    return out
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ from hyla.model.formats.families.base import (
     Family,
     MoENames,
     check_all_taken,
+    head_from_hyla,
+    head_to_hyla,
     moe_from_hyla,
     moe_to_hyla,
     refuse,
@@ -131,7 +133,7 @@ def to_config(hf: dict, source: str) -> HylaConfig:
            "router": "sigmoid", "score_bias": True,
            "norm_topk": bool(hf.get("norm_topk_prob", True)),
            "scaling": float(hf.get("routed_scaling_factor") or 1.0),
-           "n_group": int(hf.get("n_group") or 1), "topk_group": int(hf.get("topk_group") or 1)}
+           "n_group": _int(hf, "n_group", 1), "topk_group": _int(hf, "topk_group", 1)}
     try:
         return HylaConfig(
             vocab_size=int(require(hf, "vocab_size", source, KIND)),
@@ -164,25 +166,6 @@ def _check_release_fields(hf, types, mlp, heads, kv, head_dim, source) -> None:
                              f"MiMoV2Flash (and hyla) compute {value!r} from the other fields")
 
 
-def head_to_hyla(weights: dict, cfg: HylaConfig, source: str) -> dict:
-    """Embedding, final norm and (untied) lm_head by hyla's names."""
-    out = {"embed.weight": take(weights, "model.embed_tokens.weight", source),
-           "norm.weight": take(weights, "model.norm.weight", source)}
-    head = weights.pop("lm_head.weight", None)
-    if not cfg.tie_embeddings:
-        if head is None:
-            raise ValueError(f"{source} has no tensor 'lm_head.weight' (tie_word_embeddings "
-                             f"is false)")
-        out["lm_head.weight"] = head
-    return out
-
-
-def head_from_hyla(state: dict, cfg: HylaConfig) -> dict:
-    out = {"model.embed_tokens.weight": state["embed.weight"],
-           "model.norm.weight": state["norm.weight"]}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = state["lm_head.weight"]
-    return out
 
 
 def _layer_names(cfg: HylaConfig, i: int) -> dict[str, str]:
@@ -300,3 +283,9 @@ def from_config(cfg: HylaConfig) -> dict:
 
 FAMILY = register_family(Family((KIND,), "MiMoV2FlashForCausalLM", to_config, to_state,
                                 from_config, from_state))
+
+
+def _int(hf: dict, key: str, default: int) -> int:
+    """``hf[key]`` as an int, ``default`` only when absent (a 0 is refused downstream, not
+    replaced)."""
+    return default if hf.get(key) is None else int(hf[key])

@@ -101,8 +101,8 @@ def moe_options(hf: dict, source: str, kind: str) -> dict:
             "shared_dim": dim * int(hf.get("num_shared_experts") or 0),
             "norm_topk": bool(hf.get("moe_renormalize", True)),
             "scaling": float(require(hf, "routed_scaling_factor", source, kind)),
-            "n_group": int(hf.get("num_expert_group") or 1),
-            "topk_group": int(hf.get("topk_group") or 1)}
+            "n_group": 1 if hf.get("num_expert_group") is None else int(hf["num_expert_group"]),
+            "topk_group": 1 if hf.get("topk_group") is None else int(hf["topk_group"])}
 
 
 def mla_options(hf: dict, source: str, kind: str, **extra) -> dict:
@@ -176,6 +176,9 @@ def state_to_hyla(weights: dict, cfg: HylaConfig, source: str) -> dict[str, torc
             shared = f"{p}.mlp.shared_experts."
             if not opts.shared_dim:     # zero shared experts: transformers' empty MLP
                 for k in [k for k in weights if k.startswith(shared)]:
+                    if weights[k].numel():
+                        raise ValueError(f"{source}: {k} holds weights although the config "
+                                         f"declares no shared experts")
                     weights.pop(k)
             out |= moe_to_hyla(weights, f"{p}.mlp", f"{ours}.mlp", opts, MoENames(), source)
         else:

@@ -33,12 +33,13 @@ from hyla.model.config import HylaConfig
 from hyla.model.formats.families.base import (
     Family,
     check_all_taken,
+    head_from_hyla,
+    head_to_hyla,
     refuse,
     register_family,
     require,
     take,
 )
-from hyla.model.formats.families.mimo_v2_flash import head_from_hyla, head_to_hyla
 from hyla.model.mixers import MIXERS
 from hyla.model.mixers.attention import AttentionMixer
 from hyla.model.mixers.deltanet import delta_dims

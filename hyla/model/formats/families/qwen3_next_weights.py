@@ -17,6 +17,7 @@ from hyla.model.config import HylaConfig
 from hyla.model.formats.families.base import (
     MoENames,
     check_all_taken,
+    head_to_hyla,
     moe_from_hyla,
     moe_to_hyla,
     take,
@@ -45,11 +46,7 @@ def to_state(weights: dict, cfg: HylaConfig, source: str) -> dict[str, torch.Ten
             log.warning("%s: leaving out the %d %s tensors (%s*)", source, len(keys), what, drop)
             for k in keys:
                 del weights[k]
-    out = {"embed.weight": take(weights, f"{prefix}embed_tokens.weight", source),
-           "norm.weight": take(weights, f"{prefix}norm.weight", source)}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = take(weights, "lm_head.weight", source)
-    weights.pop("lm_head.weight", None)         # tied: the embedding's copy
+    out = head_to_hyla(weights, cfg, source, prefix)
     for i in range(cfg.n_layers):
         theirs, ours = f"{prefix}layers.{i}", f"blocks.{i}"
         for name, tensor in _layer_to_hyla(weights, theirs, cfg, i, source).items():
