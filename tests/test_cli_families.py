@@ -370,3 +370,17 @@ def test_distill_refuses_a_teacher_it_cannot_start_from(capsys, tmp_path, family
     code, _, err = hyla(capsys, "distill", "--teacher", family_dirs["mimo_v2_flash"][1],
                         "--layers", "GAGA", "--out", tmp_path / "run")
     assert code != 0 and "has mixer_options" in err.replace("\n", "")
+
+
+def test_generation_config_end_ids_are_read(family_dirs):
+    from hyla.model.formats.hf_tokenizer import load_hf_tokenizer
+
+    path = family_dirs["qwen3_next"][1]
+    gen = path / "generation_config.json"
+    before = gen.read_text() if gen.is_file() else None
+    gen.write_text(json.dumps({"eos_token_id": [2, 0, 7]}))
+    try:
+        tok = load_hf_tokenizer(path, VOCAB)
+        assert tok.stop_ids == (0, 7) and tok.eos_id == 2
+    finally:
+        gen.write_text(before) if before is not None else gen.unlink()

@@ -103,9 +103,10 @@ def generate_text(model, tok, prompt: str, args: argparse.Namespace) -> str:
         raise ValueError(f"top-k must be a positive int, got {args.top_k}")
     # stop at the end-of-text token, as transformers' generate does
     eos = getattr(tok, "eos_id", None)
+    stops = (() if eos is None else (eos,)) + tuple(getattr(tok, "stop_ids", ()))
     with torch.inference_mode():
         new = generate(model, tok.encode(prompt), args.max_tokens, temperature=args.temperature,
-                       top_k=args.top_k, seed=args.seed, stop_ids=() if eos is None else (eos,))
+                       top_k=args.top_k, seed=args.seed, stop_ids=stops)
     return tok.decode(new)
 
 

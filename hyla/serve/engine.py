@@ -132,6 +132,7 @@ class Engine:
                              num_snapshots=snaps if has_gla else 0, compile=c.compile,
                              cuda_graphs=c.cuda_graphs)
         self.eos_token_id = getattr(tokenizer, "eos_id", None)
+        self.end_ids = tuple(getattr(tokenizer, "stop_ids", ()))
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self._text: dict[str, IncrementalText] = {}
@@ -170,7 +171,7 @@ class Engine:
         self.check_request(prompt_ids, params, prefill_only=prefill_only)
         seq = Sequence(rid, list(prompt_ids), params,
                        arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
-                       eos_token_id=self.eos_token_id)
+                       eos_token_id=self.eos_token_id, end_ids=self.end_ids)
         if prefill_only:
             # only the first token is produced here; the scheduler reserves for that alone
             seq.params = dataclasses.replace(params, max_tokens=1)

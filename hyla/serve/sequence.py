@@ -122,6 +122,7 @@ class Sequence:
     params: SamplingParams = field(default_factory=SamplingParams)
     arrival_time: float = 0.0
     eos_token_id: int | None = None
+    end_ids: tuple[int, ...] = ()       # other ids that end it like EOS (generation_config)
     output_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
@@ -166,7 +167,7 @@ class Sequence:
     def stop_reason_for(self, token: int) -> str | None:
         """Why the sequence ends after appending ``token`` (None: it goes on)."""
         p = self.params
-        if not p.ignore_eos and token == self.eos_token_id:
+        if not p.ignore_eos and (token == self.eos_token_id or token in self.end_ids):
             return "stop"
         if token in p.stop_token_ids:
             return "stop"

@@ -251,3 +251,20 @@ def test_one_token_prompt_starts_from_a_clean_state_slot():
     eng.generate([[1, 2, 3, 4]], GREEDY)
     (again,) = eng.generate([[7]], GREEDY)
     assert again.output_ids == first.output_ids == generate(model, [7], 12, temperature=0)
+
+
+def test_generation_config_end_ids_stop_like_eos():
+    """A model whose generation_config lists several end ids stops at any of them (unless
+    ignore_eos), as transformers' generate does."""
+    torch.manual_seed(0)
+    model = HylaLM(preset("debug")).eval()
+    prompt = [5, 6, 7]
+    free = generate(model, prompt, 12, temperature=0)
+    tok = ByteTokenizer()
+    tok.stop_ids = (free[2],)
+    eng = Engine(model, tok, EngineConfig(max_model_len=64))
+    params = SamplingParams(max_tokens=12, temperature=0)
+    (seq,) = eng.generate([prompt], params)
+    assert seq.output_ids == free[:free.index(free[2]) + 1]
+    (seq,) = eng.generate([prompt], dataclasses.replace(params, ignore_eos=True))
+    assert seq.output_ids == free

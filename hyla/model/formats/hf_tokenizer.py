@@ -81,6 +81,9 @@ class HFTokenizer(BPETokenizer):
         ([2], 1)
     """
 
+    # ids besides ``eos_id`` that end a generation (the model's generation_config.json)
+    stop_ids: tuple[int, ...] = ()
+
     def __init__(self, tokenizer, eos_token: str, *, chat_template: str | None = None,
                  bos_token: str | None = None):
         super().__init__(tokenizer, eos_token)
@@ -226,9 +229,25 @@ def load_hf_tokenizer(root: pathlib.Path, vocab_size: int | None
         raise ValueError(f"{path} is not a tokenizers JSON file: {e}") from e
     tok_config = _read_object(root / "tokenizer_config.json")
     eos = _token_text(tok_config.get("eos_token")) or _config_eos(root, tok)
-    return hf_tokenizer_from(tok, str(path), vocab_size, eos=eos,
-                             bos=_token_text(tok_config.get("bos_token")),
-                             chat_template=chat_template_of(root, tok_config))
+    out = hf_tokenizer_from(tok, str(path), vocab_size, eos=eos,
+                            bos=_token_text(tok_config.get("bos_token")),
+                            chat_template=chat_template_of(root, tok_config))
+    if isinstance(out, HFTokenizer):
+        out.stop_ids = _end_ids(root, out.eos_id, tok.get_vocab_size(with_added_tokens=True))
+    return out
+
+
+def _end_ids(root: pathlib.Path, eos_id: int | None, n: int) -> tuple[int, ...]:
+    """Every other id that ends a generation: ``generation_config.json``'s and
+    ``config.json``'s ``eos_token_id`` (a model may list several: Qwen's chat models end a
+    turn with ``<|im_end|>`` or ``<|endoftext|>``), as transformers' ``generate`` stops."""
+    ids = set()
+    for name in ("generation_config.json", "config.json"):
+        value = _read_object(root / name).get("eos_token_id")
+        for i in value if isinstance(value, list) else [value]:
+            if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n:
+                ids.add(i)
+    return tuple(sorted(ids - {eos_id}))
 
 
 def save_hf_tokenizer(tokenizer: BPETokenizer | ByteTokenizer, out: pathlib.Path) -> dict:
