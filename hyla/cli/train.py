@@ -28,7 +28,14 @@ from hyla.cli.common import (
     torch_threads,
     train_quickstart,
 )
-from hyla.train.config import OPTIMIZERS, PRECISIONS, TrainConfig
+from hyla.train.config import (
+    DEVICES,
+    OPTIMIZERS,
+    PLANNED_STRATEGIES,
+    PRECISIONS,
+    STRATEGIES,
+    TrainConfig,
+)
 
 
 def add_quickstart(sub) -> argparse.ArgumentParser:
@@ -42,6 +49,11 @@ def add_quickstart(sub) -> argparse.ArgumentParser:
     return p
 
 
+# Planned strategies parse, so that TrainConfig can say they are not built yet.
+CHOICES = {"optimizer": OPTIMIZERS, "precision": PRECISIONS, "device": DEVICES,
+           "strategy": STRATEGIES + PLANNED_STRATEGIES}
+
+
 def add_train(sub) -> argparse.ArgumentParser:
     """Register ``hyla train`` on the ``hyla`` sub-parser set."""
     p = sub.add_parser("train", help="train a preset on the stdlib corpus or your data")
@@ -51,9 +63,8 @@ def add_train(sub) -> argparse.ArgumentParser:
         default = getattr(defaults, field.name)
         if isinstance(default, bool):
             p.add_argument(flag, action="store_true")
-        elif field.name in ("optimizer", "precision"):
-            choices = OPTIMIZERS if field.name == "optimizer" else PRECISIONS
-            p.add_argument(flag, choices=choices, default=default)
+        elif field.name in CHOICES:
+            p.add_argument(flag, choices=CHOICES[field.name], default=default)
         else:
             kind = type(default) if default is not None else str
             p.add_argument(flag, type=kind, default=default)
@@ -142,11 +153,14 @@ def cmd_train(args: argparse.Namespace, out: Console) -> int:
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
     trainer = Trainer(cfg, resume=args.resume)
-    out.print(f"training [bold]{trainer.cfg.preset}[/] "
-              f"({trainer.model.num_parameters():,} parameters) -> {trainer.out}")
+    say = out.print if trainer.rank == 0 else (lambda *a, **k: None)   # torchrun: rank 0 talks
+    parallel = (f", {trainer.world} ranks, {trainer.cfg.strategy}" if trainer.world > 1
+                else "")
+    say(f"training [bold]{trainer.cfg.preset}[/] "
+        f"({trainer.model.num_parameters():,} parameters{parallel}) -> {trainer.out}")
     record = trainer.fit(progress=not args.no_progress)
-    out.print(f"step {record['step']}: validation loss {record.get('val_loss', float('nan')):.3f}"
-              f"; checkpoint in {trainer.out}")
+    say(f"step {record['step']}: validation loss {record.get('val_loss', float('nan')):.3f}"
+        f"; checkpoint in {trainer.out}")
     return 0
 
 

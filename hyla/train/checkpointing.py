@@ -41,13 +41,19 @@ def save_train_checkpoint(trainer, target: pathlib.Path) -> pathlib.Path:
         "rng": torch.get_rng_state(),
     }
     torch.save(state, tmp / STATE)
-    if os.environ.get("HYLA_TEST_CRASH_IN_SAVE") == str(trainer.step):  # a test kills us here
+    return publish(tmp, target, trainer.step, trainer.cfg.keep_last)
+
+
+def publish(tmp: pathlib.Path, target: pathlib.Path, step: int, keep_last: int) -> pathlib.Path:
+    """Rename the complete temporary directory ``tmp`` to ``target``; keep the newest
+    ``keep_last`` ``ckpt-*`` beside it."""
+    if os.environ.get("HYLA_TEST_CRASH_IN_SAVE") == str(step):  # a test kills us here
         os.kill(os.getpid(), 9)
     if target.exists():
         shutil.rmtree(target)
     os.replace(tmp, target)
     runs = sorted(p for p in target.parent.glob("ckpt-*") if p.name[5:].isdigit())
-    for old in runs[: -trainer.cfg.keep_last]:
+    for old in runs[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return target
 
@@ -58,13 +64,15 @@ RESUME_FIXED = ("preset", "seq_len", "batch_size", "grad_accum", "optimizer", "s
 
 
 def load_train_state(run_dir: pathlib.Path, cfg=None, *, config_type: type = TrainConfig,
-                     command: str = "hyla train") -> dict:
+                     command: str = "hyla train", fixed: tuple[str, ...] = RESUME_FIXED) -> dict:
     """The newest complete checkpoint of a run (``hyla train`` or ``hyla distill``), as a dict:
-    ``step``, ``cfg`` (a ``config_type``), ``model`` (weights), ``optimizers``,
-    ``schedulers``, ``data_position``, ``rng``.
+    ``step``, ``cfg`` (a ``config_type``), ``schedulers``, ``data_position``, ``rng``, and
+    either ``model`` (weights) and ``optimizers`` or, for a distributed checkpoint
+    (:mod:`hyla.train.dist_checkpoint`), ``dcp`` (its directory, every shard checked present)
+    and ``param_groups``.
 
-    ``cfg``, when given, must describe the same model and data as the run (the
-    :data:`RESUME_FIXED` fields), or leave those fields at their defaults; otherwise a
+    ``cfg``, when given, must describe the same model and data as the run (the ``fixed``
+    fields), or leave those fields at their defaults; otherwise a
     ValueError names the differing fields. A non-default ``steps`` replaces the run's.
     ``command`` names the command that wrote the run, for the error messages.
 
@@ -90,7 +98,14 @@ def load_train_state(run_dir: pathlib.Path, cfg=None, *, config_type: type = Tra
             continue
         try:
             state = torch.load(ckpt / STATE, weights_only=True)
-            state["model"] = load_file(str(ckpt / "model.safetensors"))
+            if state.get("format") == "dcp":
+                from hyla.train.dist_checkpoint import DCP, check_dcp
+
+                check_dcp(ckpt / DCP)     # names a missing or truncated shard
+                check_safetensors(ckpt / "model.safetensors")   # what export reads
+                state["dcp"] = ckpt / DCP
+            else:
+                state["model"] = load_file(str(ckpt / "model.safetensors"))
             saved = config_type(**state["cfg"])
             break
         except Exception as e:  # noqa: BLE001 - truncated or corrupt: try the one before
@@ -105,7 +120,7 @@ def load_train_state(run_dir: pathlib.Path, cfg=None, *, config_type: type = Tra
     state["resumed_from"] = str(ckpt)
     if cfg is not None:
         default = config_type()
-        diff = [f for f in RESUME_FIXED if hasattr(cfg, f) and getattr(cfg, f) != getattr(saved, f)
+        diff = [f for f in fixed if hasattr(cfg, f) and getattr(cfg, f) != getattr(saved, f)
                 and getattr(cfg, f) != getattr(default, f)]
         if diff:
             raise ValueError(f"{ckpt} was trained with a different {', '.join(diff)}: resume "
@@ -114,6 +129,40 @@ def load_train_state(run_dir: pathlib.Path, cfg=None, *, config_type: type = Tra
             saved = dataclasses.replace(saved, steps=cfg.steps)  # train further or stop sooner
     state["cfg"] = saved
     return state
+
+
+def check_safetensors(path: pathlib.Path) -> None:
+    """ValueError naming ``path`` unless it is a safetensors file as long as its header says
+    (reads the header only: a checkpoint cut short mid-copy is caught without loading it).
+
+    Example:
+        >>> import tempfile
+        >>> from safetensors.torch import save_file
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "w.safetensors"
+        >>> save_file({"w": torch.zeros(4)}, str(path))
+        >>> check_safetensors(path)
+        >>> path.write_bytes(path.read_bytes()[:-4]); check_safetensors(path)
+        Traceback (most recent call last):
+        ...
+        ValueError: w.safetensors is truncated (76 of 80 bytes)
+    """
+    import json
+    import struct
+
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path.name} is missing")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else size
+        if 8 + n > size:
+            raise ValueError(f"{path.name} is truncated (its header is cut)")
+        header = json.loads(f.read(n))
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+              default=0)
+    if size < 8 + n + end:
+        raise ValueError(f"{path.name} is truncated ({size} of {8 + n + end} bytes)")
 
 
 def is_train_checkpoint(path: pathlib.Path) -> bool:

@@ -3,7 +3,8 @@
 Sharding (ZeRO-2 style, as after a reduce-scatter of the gradients): a matrix with ``A`` rows
 is split along dim 0 into ``world`` slices of ``s = ceil(A / world)`` rows; rank ``r`` holds
 rows ``[r*s, min((r+1)*s, A))``, zero-padded to ``s`` rows so every slice has one shape.
-Momentum buffers are sharded the same way; parameters are replicated.
+Momentum buffers are sharded the same way; parameters are replicated (DistMuon) or FSDP2
+shards, which ``fully_shard`` cuts along dim 0 into exactly these rows (ShardedMuon).
 
 Bytes are *logical*: what leaves (sent) or enters (received) a rank, its own slice excluded.
 A ring all-gather or a pairwise all-to-all moves exactly that much through each rank's link.
@@ -159,3 +160,47 @@ class CommCounter:
         self.add(category, sent=(sum(send_sizes) - send_sizes[rank]) * size,
                  received=(sum(recv_sizes) - recv_sizes[rank]) * size)
         return out
+
+
+def count_fsdp_traffic(model: torch.nn.Module, counter: CommCounter) -> None:
+    """Count the all-gathers and reduce-scatters of ``model``'s FSDP2 modules in ``counter``
+    (category ``"fsdp"``), through FSDP2's custom-collective hooks (the same collectives).
+
+    A rank sends its shard to the W - 1 others in an all-gather and (W - 1)/W of its full
+    gradient buffer in a reduce-scatter; the bytes are the buffers' own (bf16 parameters
+    under mixed precision, the reduce dtype for gradients).
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        DefaultAllGather,
+        DefaultReduceScatter,
+    )
+
+    class Gather(AllGather):
+        inner = DefaultAllGather()
+
+        def allocate(self, size, *, dtype, device):
+            return self.inner.allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            n = ((dist.get_world_size(group) - 1) * input_tensor.numel()
+                 * input_tensor.element_size())
+            counter.add("fsdp", sent=n, received=n)
+            return self.inner(output_tensor, input_tensor, group, async_op)
+
+    class Scatter(ReduceScatter):
+        inner = DefaultReduceScatter()
+
+        def allocate(self, size, *, dtype, device):
+            return self.inner.allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            n = (input_tensor.numel() - output_tensor.numel()) * input_tensor.element_size()
+            counter.add("fsdp", sent=n, received=n)
+            return self.inner(output_tensor, input_tensor, group, op, async_op)
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_all_gather(Gather())
+            m.set_custom_reduce_scatter(Scatter())

@@ -7,7 +7,10 @@ from dataclasses import dataclass
 
 OPTIMIZERS = ("muon", "adamw")
 PRECISIONS = ("fp32", "bf16")
+DEVICES = ("cpu", "cuda")
 MUON_STRATEGIES = ("all_to_all", "all_gather")  # DistMuon's, under torchrun
+STRATEGIES = ("fsdp",)  # how W > 1 ranks train (hyla.train.distributed)
+PLANNED_STRATEGIES = ("diloco", "fomoe")  # reserved for the FoMoE issue: not built yet
 
 
 @dataclass(kw_only=True)
@@ -35,6 +38,8 @@ class TrainConfig:
     lr: float = 3e-3  # AdamW (and Muon's AdamW-side parameters)
     muon_lr: float = 0.02
     muon_strategy: str = "all_to_all"  # multi-process runs: how DistMuon shares matrices
+    strategy: str = "fsdp"  # multi-process runs: FSDP2 shards (see hyla.train.distributed)
+    device: str = "cpu"  # "cuda": under torchrun each rank on cuda:LOCAL_RANK (nccl)
     weight_decay: float = 0.0
     warmup_steps: int = 10
     decay_fraction: float = 0.2  # warmup-stable-decay: the last 20% of steps decay to 0
@@ -64,6 +69,13 @@ class TrainConfig:
         if self.muon_strategy not in MUON_STRATEGIES:
             raise ValueError(f"muon_strategy must be one of {MUON_STRATEGIES}, "
                              f"got {self.muon_strategy!r}")
+        if self.strategy in PLANNED_STRATEGIES:
+            raise ValueError(f"strategy {self.strategy!r} is not available yet (planned: "
+                             f"{', '.join(PLANNED_STRATEGIES)}): use --strategy fsdp")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if not 0 <= self.decay_fraction <= 1:
             raise ValueError(f"decay_fraction must be in [0, 1], got {self.decay_fraction}")
 

@@ -1,40 +1,43 @@
-"""Data-parallel training over ``torch.distributed``: what the Trainer does differently at W > 1.
+"""Training over ``torch.distributed``: what the Trainer does differently at W > 1.
 
 Launched by ``torchrun --nproc-per-node W`` (or inside a process group a test set up), each
-rank builds the same model from the same seed and:
+rank builds the same model from the same seed and, with ``--strategy fsdp`` (the default and,
+for now, the only one):
 
-- reads its own blocks: rank ``r`` takes block ``r`` of every group of ``W`` consecutive
-  blocks, so the global batch is ``W x batch_size x grad_accum`` blocks and, after every
-  micro-batch, all ranks stand at the same stream position (one position resumes them all);
-- averages its gradients with one all-reduce per step (ZeRO-2 style sharding *after* the
-  reduction: gloo has no reduce-scatter, so every rank receives the whole average and then
-  keeps only its row slices for Muon; the clip norm is then the same on every rank);
-- updates the hidden matrices with :class:`~hyla.train.muon_dist.DistMuon` (momentum sharded
-  by rows, ``cfg.muon_strategy``) and the rest with AdamW, replicated on the averaged
-  gradients; so parameters stay identical on every rank without being broadcast;
-- lets rank 0 alone write the tokenizer, the metrics and the checkpoints. Muon's momentum
-  slices are gathered into whole matrices for the checkpoint (the same layout single-process
-  Muon saves) and the data position records the world size, which a resume must match.
+- shards it with FSDP2: ``fully_shard`` on every block, then on the whole model (embedding,
+  final norm, head), over a one-dimensional :class:`~torch.distributed.device_mesh.DeviceMesh`
+  (gloo on CPU, nccl on CUDA). Parameters, gradients and optimizer state are ``DTensor`` row
+  shards: each rank holds about 1/W of each. FSDP all-gathers a block's parameters for its
+  forward and backward and reduce-scatters (averages) its gradients;
+- reads its own micro-batches: micro-batch ``a`` of a step on rank ``r`` is the stream's
+  micro-batch ``a * W + r`` (``batch_size`` consecutive blocks). A step consumes the same
+  ``W x batch_size x grad_accum`` blocks at every world size, so a checkpoint resumes at
+  another W (with ``grad_accum`` scaled) on the same data, and all ranks share one position;
+- updates the hidden matrices with :class:`~hyla.train.muon_fsdp.ShardedMuon` (whole matrices
+  at owner ranks, two all-to-alls) and the rest with AdamW on the shards;
+- saves checkpoints with ``torch.distributed.checkpoint`` (see
+  :mod:`hyla.train.dist_checkpoint`), every rank its shards, plus a consolidated model.
 
-FSDP2's ``fully_shard`` is not used: its reduce-scatter is missing on gloo (the CPU backend),
-and Muon needs each matrix whole anyway, which DistMuon arranges.
+``diloco`` and ``fomoe`` are reserved names for strategies not built yet.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import os
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from hyla.ops.hardware import fast_low_precision_matmul
-from hyla.train.comm import shard_rows
+from hyla.train.comm import CommCounter, count_fsdp_traffic
 from hyla.train.config import TrainConfig
-from hyla.train.muon_dist import DistMuon
-from hyla.train.optim import run_optimizers
+from hyla.train.muon_fsdp import ShardedMuon
 from hyla.train.param_groups import split_params
 
 
@@ -50,15 +53,38 @@ def setup() -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, 1
-    # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: the env:// defaults.
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: the env:// defaults. CPU
+    # tensors (the data, the loss, a CPU model) always have gloo; CUDA ones get nccl.
+    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     atexit.register(_destroy)
     return dist.get_rank(), dist.get_world_size()
+
+
+def train_device(name: str) -> torch.device:
+    """Where this rank trains: the CPU, or (``"cuda"``) its own GPU, ``cuda:LOCAL_RANK``.
+
+    Example:
+        >>> train_device("cpu")
+        device(type='cpu')
+    """
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch sees no CUDA device: use --device cpu")
+    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    torch.cuda.set_device(index)    # nccl and DCP address "the current device"
+    return torch.device("cuda", index)
 
 
 def _destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def barrier(world: int) -> None:
+    """``dist.barrier()`` when there is more than one rank."""
+    if world > 1:
+        dist.barrier()
 
 
 @contextlib.contextmanager
@@ -73,10 +99,11 @@ def rank_zero_first(world: int):
 
 
 class StridedBlocks:
-    """Rank ``rank``'s share of a block stream: block ``rank`` of every ``world`` blocks.
+    """Rank ``rank``'s share of a block stream: chunk ``rank`` of every ``world`` chunks of
+    ``chunk`` blocks (a chunk is one micro-batch).
 
-    Every rank reads (and tokenizes) the whole stream, skipping the others' blocks, so after
-    each ``next`` all ranks share the inner position; ``position()`` adds the world size.
+    Every rank reads (and tokenizes) the whole stream, skipping the others' chunks, so after
+    each whole chunk all ranks share the inner position; ``position()`` adds the world size.
 
     Example:
         >>> class Count:
@@ -86,79 +113,99 @@ class StridedBlocks:
         >>> s = StridedBlocks(Count(), rank=1, world=3)
         >>> [next(s) for _ in range(3)], s.position()["world_size"]
         ([1, 4, 7], 3)
+        >>> [next(StridedBlocks(Count(), rank=1, world=2, chunk=2)) for _ in range(1)]
+        [2]
     """
 
-    def __init__(self, inner, rank: int, world: int):
+    def __init__(self, inner, rank: int, world: int, chunk: int = 1):
         if not 0 <= rank < world:
             raise ValueError(f"rank must be in [0, {world}), got {rank}")
-        self.inner, self.rank, self.world = inner, rank, world
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        self.inner, self.rank, self.world, self.chunk = inner, rank, world, chunk
+        self._taken = 0     # blocks of the current chunk handed out
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        for _ in range(self.rank):
-            next(self.inner)
+        if self._taken == 0:
+            for _ in range(self.rank * self.chunk):
+                next(self.inner)
         block = next(self.inner)
-        for _ in range(self.world - 1 - self.rank):
-            next(self.inner)
+        self._taken += 1
+        if self._taken == self.chunk:
+            self._taken = 0
+            for _ in range((self.world - 1 - self.rank) * self.chunk):
+                next(self.inner)
         return block
 
     def position(self) -> dict:
         return {**self.inner.position(), "world_size": self.world}
 
 
-def check_resume_world(state: dict, world: int, run_dir) -> None:
-    """Raise ValueError unless the checkpoint in ``state`` was written at world size ``world``.
+def device_mesh(world: int, device: torch.device | str = "cpu") -> DeviceMesh:
+    """The one-dimensional ``("dp",)`` mesh of all ranks on ``device``'s type."""
+    return init_device_mesh(torch.device(device).type, (world,), mesh_dim_names=("dp",))
 
-    The data position (each rank's stride through the stream) and Muon's row-sharded momentum
-    are tied to the world size; single-process checkpoints carry none, i.e. world size 1.
+
+def mixed_precision(cfg: TrainConfig, device: torch.device | str) -> MixedPrecisionPolicy:
+    """bf16 parameters for compute and fp32 gradient reduction with ``--precision bf16`` where
+    bf16 matmuls are fast; fp32 throughout otherwise (emulated bf16 costs ~100x on CPUs
+    without AMX/AVX512-BF16).
+
+    Example:
+        >>> mixed_precision(TrainConfig(), "cpu").param_dtype is None
+        True
     """
-    saved = int(state["data_position"].get("world_size", 1))
-    if saved != world:
-        launch = ("plain `hyla train`" if saved == 1
-                  else f"`torchrun --nproc-per-node {saved} -m hyla.cli train`")
-        raise ValueError(f"{run_dir} was trained with world size {saved}, not {world}: resume it "
-                         f"with {launch} --resume, or start a new --out")
+    if cfg.precision == "bf16" and fast_low_precision_matmul(torch.bfloat16, device):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
-class ShardedMuon(DistMuon):
-    """DistMuon whose checkpoints hold whole momentum matrices (the single-process layout).
+def shard_model(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh,
+                counter: CommCounter | None = None) -> torch.nn.Module:
+    """FSDP2: ``fully_shard`` each of ``model.blocks``, then ``model`` (in place; returned).
 
-    ``state_dict`` is collective: every rank must call it (it all-gathers the row slices).
-    ``load_state_dict`` takes whole matrices and keeps this rank's rows.
+    A block is the unit FSDP gathers and frees, so at most about one block's full parameters
+    live at once besides the shards. Activation checkpointing (the model's own, per block)
+    recomputes inside FSDP's gathered block. ``counter`` counts FSDP's all-gathers and
+    reduce-scatters under ``"fsdp"``.
     """
-
-    def state_dict(self):
-        sd = super().state_dict()
-        for i, p in enumerate(self._params):
-            buf = self.state[p].get("momentum_buffer")
-            if buf is not None:
-                parts = [torch.empty_like(buf) for _ in range(self.world)]
-                dist.all_gather(parts, buf.contiguous(), group=self.group)
-                sd["state"][i] = {**sd["state"][i],
-                                  "momentum_buffer": torch.cat(parts)[: p.shape[0]]}
-        return sd
-
-    def load_state_dict(self, state_dict) -> None:
-        super().load_state_dict(state_dict)
-        for p in self._params:
-            buf = self.state[p].get("momentum_buffer")
-            if buf is not None and buf.shape == p.shape:
-                self.state[p]["momentum_buffer"] = shard_rows(buf, self.rank, self.world)
+    device = next(model.parameters()).device
+    policy = mixed_precision(cfg, device)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    if counter is not None:
+        count_fsdp_traffic(model, counter)
+    return model
 
 
-def build_optimizers(model: torch.nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
-    """The multi-rank counterpart of :func:`~hyla.train.optim.run_optimizers` (same order and
-    hyperparameters): ShardedMuon + replicated AdamW, or replicated AdamW alone."""
+def reshard(model: torch.nn.Module) -> None:
+    """Put FSDP2 modules back to their shards. A forward without backward (validation) leaves
+    the root's parameters gathered, and the optimizers and checkpoints address the shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def build_optimizers(model: torch.nn.Module, cfg: TrainConfig,
+                     mesh: DeviceMesh) -> list[torch.optim.Optimizer]:
+    """The sharded counterpart of :func:`~hyla.train.optim.run_optimizers` (same order and
+    hyperparameters): ShardedMuon + AdamW, or AdamW alone, on the FSDP shards."""
     if cfg.optimizer == "adamw":
-        return run_optimizers(model, cfg)
+        return [torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                                  weight_decay=cfg.weight_decay)]
     device = next(model.parameters()).device
     ns_dtype = (torch.bfloat16 if fast_low_precision_matmul(torch.bfloat16, device)
                 else torch.float32)
-    muon_params, adamw_params = split_params(model)
-    muon = ShardedMuon([p for _, p in muon_params], strategy=cfg.muon_strategy, lr=cfg.muon_lr,
-                       momentum=0.95, weight_decay=cfg.weight_decay, ns_dtype=ns_dtype)
+    muon_params, adamw_params = split_params(model)   # 3-D MoE experts go to AdamW
+    muon = ShardedMuon([p for _, p in muon_params], strategy=cfg.muon_strategy,
+                       group=mesh.get_group(), lr=cfg.muon_lr, momentum=0.95,
+                       weight_decay=cfg.weight_decay, ns_dtype=ns_dtype)
     decay = [p for _, p in adamw_params if p.ndim >= 2]
     no_decay = [p for _, p in adamw_params if p.ndim < 2]
     adamw = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -167,52 +214,85 @@ def build_optimizers(model: torch.nn.Module, cfg: TrainConfig) -> list[torch.opt
     return [muon, adamw]
 
 
+def mean_over_ranks(value: float, world: int) -> float:
+    """The mean of a float over the ranks (one tiny all-reduce; ``value`` itself at W = 1)."""
+    if world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / world
+
+
+def per_rank(value: int, world: int) -> list[int]:
+    """Every rank's ``value``, in rank order (one small all-reduce; ``[value]`` at W = 1)."""
+    if world == 1:
+        return [value]
+    t = torch.zeros(world, dtype=torch.int64)
+    t[dist.get_rank()] = value
+    dist.all_reduce(t)
+    return t.tolist()
+
+
 @torch.no_grad()
-def average_gradients(model: torch.nn.Module, loss: float, world: int) -> float:
-    """Average every gradient (one flat all-reduce) and the loss over the ranks; returns the
-    mean loss. Each rank's loss is already a mean over its equal share of tokens' blocks."""
-    grads: list[Tensor] = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.flatten().float() for g in grads] + [torch.tensor([loss])])
-    dist.all_reduce(flat)
-    flat /= world
-    for g, part in zip(grads, flat[:-1].split([g.numel() for g in grads]), strict=True):
-        g.copy_(part.view_as(g))
-    return flat[-1].item()
+def clip_grad_norm_(params, max_norm: float) -> float:
+    """Scale the gradients of ``params`` so their joint norm is at most ``max_norm``; returns
+    the norm before clipping. Sharded (DTensor) gradients are reduced to one norm first, so
+    every rank scales by the same factor (what ``clip_grad_norm_`` on one process does).
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([3.0, 4.0])
+        >>> clip_grad_norm_([w], 1.0), [round(g, 4) for g in w.grad.tolist()]
+        (5.0, [0.6, 0.8])
+    """
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return 0.0
+    total = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total.item()
 
 
 @torch.no_grad()
 def broadcast_parameters(model: torch.nn.Module) -> None:
-    """Copy rank 0's parameters everywhere (same seed builds the same model; this makes sure)."""
+    """Copy rank 0's parameters and buffers everywhere before sharding (the same seed builds
+    the same model; this makes sure)."""
     for t in list(model.parameters()) + list(model.buffers()):
         dist.broadcast(t.data, src=0)
 
 
-def save(trainer, target):
-    """Every rank gathers the optimizer state; rank 0 writes the checkpoint; all wait."""
-    from hyla.train.checkpointing import save_train_checkpoint
+def resume_batch(saved: TrainConfig, saved_world: int, asked: TrainConfig | None,
+                 world: int, run_dir) -> TrainConfig:
+    """``saved`` with ``batch_size``/``grad_accum`` for ``world`` ranks, keeping the global batch.
 
-    states = [o.state_dict() for o in trainer.optimizers]  # collective for ShardedMuon
-    if trainer.rank == 0:
-        view = _SaveView(trainer, states)
-        save_train_checkpoint(view, target)
-    dist.barrier()
-    return target
+    ``asked`` (the resume's flags) may set either; what it leaves at the default is taken from
+    the run, and ``grad_accum`` is scaled by ``saved_world / world``. A ValueError names the
+    flags to change when ``world x batch_size x grad_accum`` cannot equal the run's.
 
-
-class _SaveView:
-    """The trainer as save_train_checkpoint sees it, with the gathered optimizer states."""
-
-    def __init__(self, trainer, states: list[dict]):
-        self._trainer = trainer
-        self.optimizers = [_Frozen(s) for s in states]
-
-    def __getattr__(self, name):
-        return getattr(self._trainer, name)
-
-
-class _Frozen:
-    def __init__(self, state: dict):
-        self._state = state
-
-    def state_dict(self) -> dict:
-        return self._state
+    Example:
+        >>> run = TrainConfig(batch_size=2, grad_accum=1)
+        >>> resume_batch(run, 2, None, 1, "runs/a").grad_accum
+        2
+        >>> resume_batch(run, 2, None, 3, "runs/a")
+        Traceback (most recent call last):
+        ...
+        ValueError: runs/a was trained with a global batch of 4 blocks a step ...
+    """
+    total = saved_world * saved.batch_size * saved.grad_accum
+    default = TrainConfig()
+    bs = saved.batch_size
+    if asked is not None and asked.batch_size != default.batch_size:
+        bs = asked.batch_size
+    if asked is not None and asked.grad_accum != default.grad_accum:
+        accum = asked.grad_accum
+    else:
+        accum = max(total // (world * bs), 1)
+    if world * bs * accum != total:
+        raise ValueError(
+            f"{run_dir} was trained with a global batch of {total} blocks a step (world size "
+            f"{saved_world} x --batch-size {saved.batch_size} x --grad-accum "
+            f"{saved.grad_accum}); at world size {world}, --batch-size {bs} x --grad-accum "
+            f"{accum} gives {world * bs * accum}: pass --batch-size B and --grad-accum A with "
+            f"{world} x B x A = {total}, or resume at a world size that divides {total}")
+    return dataclasses.replace(saved, batch_size=bs, grad_accum=accum)

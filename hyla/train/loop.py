@@ -2,8 +2,9 @@
 
 A run trains one or more :class:`Stage`\\ s in sequence (``hyla train``: one; ``hyla
 distill``: attention transfer, then end to end). Each step of a stage takes ``grad_accum``
-micro-batches of ``batch_size`` packed blocks, lets the objective backpropagate each, averages
-gradients over the ranks (``torchrun``), clips, steps the optimizers and the LR schedules,
+micro-batches of ``batch_size`` packed blocks, lets the objective backpropagate each (under
+``torchrun``, FSDP2 reduce-scatters the gradients), clips, steps the optimizers and the LR
+schedules,
 appends a record to ``metrics.jsonl``, validates at the stage's end (and every
 ``eval_every``), and writes ``ckpt-<step>/`` every ``cfg.save_every`` steps, at a stage's end
 and where the run stops. A checkpoint holds everything a resume needs (weights, optimizers,
@@ -22,6 +23,7 @@ import torch
 from hyla.train import distributed
 from hyla.train.batches import next_batch
 from hyla.train.checkpointing import save_train_checkpoint
+from hyla.train.comm import CommCounter
 from hyla.train.metrics import MetricsLog
 from hyla.train.objectives import Objective
 from hyla.train.progress import ProgressDisplay
@@ -78,6 +80,12 @@ class Loop:
         validate: returns the validation loss (``val_loss``), or a dict of validation fields
             holding it; None: never validated.
         rank, world: this process's rank and the number of ranks (``torchrun``).
+        distributed_checkpoints: write checkpoints through DCP
+            (:mod:`hyla.train.dist_checkpoint`, any world size) instead of one process's
+            ``train_state.pt``.
+        counters: the :class:`~hyla.train.comm.CommCounter` s of what this rank sends; each
+            record gets ``comm_bytes`` (the most any rank sent that step) and
+            ``comm_bytes_per_rank``.
 
     Example:
         >>> import tempfile
@@ -99,10 +107,13 @@ class Loop:
 
     def __init__(self, *, out, cfg, model: torch.nn.Module, tokenizer, stage: Stage, total: int,
                  step: int = 0, validate: Callable[[], float | dict] | None = None, rank: int = 0,
-                 world: int = 1):
+                 world: int = 1, distributed_checkpoints: bool = False,
+                 counters: list[CommCounter] | None = None):
         self.out, self.cfg, self.model, self.tokenizer = pathlib.Path(out), cfg, model, tokenizer
         self.stage, self.total, self.step = stage, total, step
         self.validate, self.rank, self.world = validate, rank, world
+        self.distributed_checkpoints = distributed_checkpoints
+        self.counters = counters or []
         self.metrics = MetricsLog(self.out / "metrics.jsonl", step, enabled=rank == 0)
 
     # What a checkpoint saves (save_train_checkpoint reads these).
@@ -122,30 +133,40 @@ class Loop:
         """One optimizer step of the current stage; returns its metrics (mean ``loss``, ...)."""
         stage = self.stage
         record: dict = {}
+        sent_before = self._bytes_sent()
+        device = next(self.model.parameters()).device
         for _ in range(stage.grad_accum):
-            metrics = stage.objective.backward(next_batch(stage.blocks, stage.batch_size),
-                                               stage.grad_accum)
+            batch = next_batch(stage.blocks, stage.batch_size)
+            if device.type != "cpu":
+                batch = tuple(t.to(device, non_blocking=True) for t in batch)
+            metrics = stage.objective.backward(batch, stage.grad_accum)
             record = {k: record[k] + v if k in record and isinstance(v, float) else v
                       for k, v in metrics.items()}
-        if self.world > 1:  # before clipping, so every rank clips the same averaged gradient
-            record["loss"] = distributed.average_gradients(self.model, record["loss"],
-                                                           self.world)
+        record["loss"] = distributed.mean_over_ranks(record["loss"], self.world)
         if stage.clip > 0:
             for group in stage.objective.clip_groups():
-                torch.nn.utils.clip_grad_norm_(group, stage.clip)
+                distributed.clip_grad_norm_(group, stage.clip)
         for opt in stage.optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
         for sch in stage.schedulers:
             sch.step()
         self.step += 1
+        if self.counters and self.world > 1:
+            sent = distributed.per_rank(self._bytes_sent() - sent_before, self.world)
+            record["comm_bytes"], record["comm_bytes_per_rank"] = max(sent), sent
         return record
+
+    def _bytes_sent(self) -> int:
+        return sum(row["sent"] for c in self.counters for row in c.totals().values())
 
     def save(self) -> pathlib.Path:
         """Write ``ckpt-<step>/`` (every rank must call it under ``torchrun``)."""
         target = self.out / f"ckpt-{self.step:06d}"
-        if self.world > 1:
-            return distributed.save(self, target)
+        if self.distributed_checkpoints:
+            from hyla.train.dist_checkpoint import save_dcp_checkpoint
+
+            return save_dcp_checkpoint(self, target)
         return save_train_checkpoint(self, target)
 
     def fit(self, until: int | None = None, progress: bool = True) -> dict:

@@ -120,7 +120,8 @@ def validation_loss(model: HylaLM, tokenizer, cfg) -> float:
     was_training = model.training
     model.eval()
     blocks = corpus_blocks(cfg.data, tokenizer, cfg.seq_len, split="validation", seed=0)
-    losses = [lm_loss(model, *next_batch(blocks, cfg.batch_size), cfg.precision).item()
-              for _ in range(cfg.eval_batches)]
+    device = next(model.parameters()).device
+    losses = [lm_loss(model, *(t.to(device) for t in next_batch(blocks, cfg.batch_size)),
+                      cfg.precision).item() for _ in range(cfg.eval_batches)]
     model.train(was_training)
     return sum(losses) / len(losses)

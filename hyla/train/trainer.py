@@ -1,9 +1,11 @@
 """``hyla train``: a language model trained from scratch, exactly resumable.
 
-A run directory holds ``tokenizer.json``, ``metrics.jsonl`` (one JSON object a step) and
-``ckpt-<step>/`` directories (model checkpoint + ``train_state.pt``: optimizers, schedulers,
-data position, RNG states). A resumed run continues from the newest checkpoint and, on CPU in
-fp32, reproduces the uninterrupted run's losses bit for bit. The loop itself is
+A run directory holds ``tokenizer.json``, ``metrics.jsonl`` (one JSON object a step),
+``run.json`` (the config and what each rank holds) and ``ckpt-<step>/`` directories (the
+consolidated model + a distributed checkpoint of model and optimizers + ``train_state.pt``:
+schedulers, data position, RNG states; :mod:`hyla.train.dist_checkpoint`). A resumed run
+continues from the newest checkpoint, at the same or another world size, and, on CPU in fp32
+at the same world size, reproduces the uninterrupted run's losses bit for bit. The loop is
 :class:`hyla.train.loop.Loop`, with the :class:`~hyla.train.objectives.LanguageModelling`
 objective.
 """
@@ -21,22 +23,30 @@ from hyla.data.tokenizer import load_tokenizer, train_bpe
 from hyla.model import HylaLM, preset
 from hyla.train import distributed
 from hyla.train.checkpointing import (
+    RESUME_FIXED,
     load_train_state,
     restore_optimizers,
     restore_weights,
     run_dir_of,
 )
+from hyla.train.comm import CommCounter
 from hyla.train.config import TrainConfig, wsd_lr_factor
 from hyla.train.loop import Loop, Stage
 from hyla.train.objectives import LanguageModelling, validation_loss
 from hyla.train.optim import run_optimizers
+from hyla.train.parallel_report import parallel_record, write_run_json
+
+# A resume may change the world size, and with it batch_size x grad_accum (the global batch
+# stays): distributed.resume_batch checks those two.
+TRAIN_RESUME_FIXED = tuple(f for f in RESUME_FIXED if f not in ("batch_size", "grad_accum"))
 
 
 class Trainer:
     """Build (or restore) a language-model run; ``fit`` trains it.
 
     Attributes: ``cfg``, ``out``, ``model``, ``tokenizer``, ``loop`` (the
-    :class:`~hyla.train.loop.Loop`), ``step``, ``rank`` and ``world``.
+    :class:`~hyla.train.loop.Loop`), ``step``, ``rank``, ``world`` and, at W > 1, ``mesh``
+    (the model is FSDP2-sharded on it: ``cfg.strategy``).
 
     Example:
         >>> import tempfile
@@ -51,11 +61,25 @@ class Trainer:
         self.out = run_dir_of(resume) if resume else pathlib.Path(cfg.out)
         # World size 1 (no torchrun, no process group): every distributed hook is skipped.
         self.rank, self.world = distributed.setup()
-        state = load_train_state(pathlib.Path(resume), cfg) if resume else None
+        state = (load_train_state(pathlib.Path(resume), cfg, fixed=TRAIN_RESUME_FIXED)
+                 if resume else None)
         if state is not None:
-            distributed.check_resume_world(state, self.world, self.out)
-            cfg = state["cfg"]
+            saved_world = int(state.get("world_size",
+                                        state["data_position"].get("world_size", 1)))
+            if "dcp" not in state and max(self.world, saved_world) > 1:
+                # hand-written data parallelism's layout: nothing maps it onto FSDP shards
+                raise ValueError(f"{state['resumed_from']} predates distributed checkpoints "
+                                 f"and was written at world size {saved_world}: only a "
+                                 f"one-process checkpoint of that kind resumes, in one "
+                                 f"process; start a new --out with --init "
+                                 f"{state['resumed_from']} to keep its weights")
+            asked = cfg
+            cfg = distributed.resume_batch(state["cfg"], saved_world, asked, self.world,
+                                           self.out)
+            if asked.device != TrainConfig().device:   # a run may move to another device
+                cfg = dataclasses.replace(cfg, device=asked.device)
         self.cfg = cfg
+        device = distributed.train_device(cfg.device)   # refused before any work
         torch.manual_seed(cfg.seed)
         self.out.mkdir(parents=True, exist_ok=True)
         init = self._init_model() if cfg.init is not None else None
@@ -69,26 +93,36 @@ class Trainer:
             if cfg.layers is not None:
                 model_cfg = dataclasses.replace(model_cfg, layers=cfg.layers)  # validated
             self.model = HylaLM(model_cfg)
+        self.model.to(device)
         self.model.activation_checkpointing = cfg.activation_checkpointing
+        self.mesh, counter = None, CommCounter()
         if self.world > 1:
             distributed.broadcast_parameters(self.model)
-            optimizers = distributed.build_optimizers(self.model, cfg)
+            self.mesh = distributed.device_mesh(self.world, device)
+            distributed.shard_model(self.model, cfg, self.mesh, counter)
+            optimizers = distributed.build_optimizers(self.model, cfg, self.mesh)
         else:
             optimizers = run_optimizers(self.model, cfg)
         schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: wsd_lr_factor(s, cfg))
                       for o in optimizers]
         step, position = 0, None
-        if state is not None:
+        if state is not None and "dcp" in state:
+            from hyla.train.dist_checkpoint import restore_dcp
+
+            restore_dcp(self.model, optimizers, schedulers, state)
+        elif state is not None:   # a checkpoint from before DCP (one process)
             restore_weights(self.model, state,
                             f"checkpoint in {self.out} does not match preset {cfg.preset}")
             restore_optimizers(optimizers, schedulers, state)
+        if state is not None:
             torch.set_rng_state(state["rng"])
             step, position = state["step"], state["data_position"]
         blocks = corpus_blocks(cfg.data, self.tokenizer, cfg.seq_len, split="train",
                                seed=cfg.seed, shuffle_buffer=cfg.shuffle_buffer,
                                position=position)
         if self.world > 1:
-            blocks = distributed.StridedBlocks(blocks, self.rank, self.world)
+            blocks = distributed.StridedBlocks(blocks, self.rank, self.world,
+                                               chunk=cfg.batch_size)
         objective = LanguageModelling(self.model, precision=cfg.precision,
                                       offload_activations=cfg.offload_activations)
         stage = Stage(objective=objective, optimizers=optimizers, schedulers=schedulers,
@@ -97,8 +131,16 @@ class Trainer:
                       clip=cfg.clip, eval_every=cfg.eval_every)
         self.loop = Loop(out=self.out, cfg=cfg, model=self.model, tokenizer=self.tokenizer,
                          stage=stage, total=cfg.steps, step=step, rank=self.rank,
-                         world=self.world,
-                         validate=lambda: validation_loss(self.model, self.tokenizer, cfg))
+                         world=self.world, distributed_checkpoints=True,
+                         counters=[counter] + [o.counter for o in optimizers
+                                               if hasattr(o, "counter")],
+                         validate=self._validate)
+
+    def _validate(self) -> float:
+        loss = validation_loss(self.model, self.tokenizer, self.cfg)
+        if self.world > 1:
+            distributed.reshard(self.model)
+        return loss
 
     def _init_model(self):
         from hyla.model.load import load_model
@@ -137,5 +179,19 @@ class Trainer:
         return self.loop.save()
 
     def fit(self, progress: bool = True) -> dict:
-        """Train to ``cfg.steps``; returns the last metrics record (with ``val_loss``)."""
-        return self.loop.fit(progress=progress)
+        """Train to ``cfg.steps``, then write ``run.json`` (collective); returns the last
+        metrics record (with ``val_loss``)."""
+        record = self.loop.fit(progress=progress)
+        self.write_run_json()
+        return record
+
+    def write_run_json(self) -> None:
+        """``run.json``: the config and ``parallel`` (what each rank holds, its peak memory).
+        Every rank calls it; rank 0 writes."""
+        parallel = parallel_record(self.model, self.loop.optimizers, world=self.world,
+                                   strategy=self.cfg.strategy if self.world > 1 else "single",
+                                   mesh=self.mesh)
+        if self.rank == 0:
+            write_run_json(self.out, {"command": "train", "step": self.step,
+                                      "cfg": self.cfg.to_dict(), "parallel": parallel,
+                                      "torch": torch.__version__})

@@ -80,3 +80,22 @@ def test_config_that_does_not_match_its_weights_is_one_line_before_allocating(tm
     assert "\n" not in str(e.value) and "model.safetensors" in str(e.value)
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert grown_kib < 512 * 1024, grown_kib
+
+
+def test_a_checkpoint_from_before_dcp_resumes_in_one_process(tmp_path):
+    import torch
+
+    out = tmp_path / "old"
+    old = Trainer(tiny(out, steps=2))
+    old.loop.distributed_checkpoints = False          # the one-process format of before
+    old.fit(progress=False)
+    assert not (out / "ckpt-000002" / "dcp").exists()
+    resumed = Trainer(tiny(out), resume=str(out))
+    assert resumed.step == 2 and resumed.fit(progress=False)["step"] == 4
+    assert (out / "ckpt-000004" / "dcp").is_dir()      # and continues with DCP checkpoints
+    state_file = out / "ckpt-000002" / "train_state.pt"
+    state = torch.load(state_file, weights_only=True)
+    state["data_position"]["world_size"] = 2          # hand-written data parallelism's
+    torch.save(state, state_file)
+    with pytest.raises(ValueError, match="predates distributed checkpoints.*--init"):
+        Trainer(tiny(out), resume=str(out / "ckpt-000002"))
