@@ -1,4 +1,5 @@
-"""``hyla memory`` (per-sequence state vs an all-attention KV cache) and ``hyla info``
+"""``hyla memory`` (per-sequence state vs an all-attention KV cache; with ``--train``, the
+bytes a rank holds to train the model, FSDP against replication) and ``hyla info``
 (versions, device, measured matmul peak).
 
 Example:
@@ -6,6 +7,7 @@ Example:
     $ hyla memory --preset laplace-3b --context 8192 --json
     $ hyla memory --checkpoint path/to/Qwen3-Next-80B-A3B --context 128K   # config.json only
     $ hyla memory --checkpoint path/to/config.json --context 32K
+    $ hyla memory --preset laplace-3b --train --world-size 8 --seq-len 4096 --dtype bf16
     $ hyla info
 """
 
@@ -37,10 +39,24 @@ def add_memory(sub) -> argparse.ArgumentParser:
     which.add_argument("--checkpoint", metavar="DIR|CONFIG.json",
                        help="a model directory (hyla, transformers, fla) or its config.json: "
                             "only the config is read, the model is sized on the meta device")
-    p.add_argument("--context", required=True, type=context, help="tokens, e.g. 8192 or 8K")
+    p.add_argument("--context", type=context, help="tokens, e.g. 8192 or 8K (required "
+                   "unless --train)")
     p.add_argument("--budget-gib", type=float, default=DEFAULT_BUDGET_GIB,
                    help=f"memory for weights + states (default {DEFAULT_BUDGET_GIB:g})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    t = p.add_argument_group("training memory (--train)")
+    t.add_argument("--train", action="store_true",
+                   help="bytes a rank for parameters, gradients, optimizer state and "
+                        "activations, fsdp vs replicate")
+    t.add_argument("--world-size", type=int, help="ranks (default 8)")
+    t.add_argument("--seq-len", type=context, help="tokens a sequence (default 2048)")
+    t.add_argument("--batch-size", type=int, help="sequences a rank a micro-batch (default 1)")
+    t.add_argument("--dtype", choices=("fp32", "bf16"),
+                   help="training precision (default fp32): bf16 = autocast activations and "
+                        "bf16 all-gathers; master weights, gradients and states stay fp32")
+    t.add_argument("--optimizer", choices=("muon", "adamw"), help="default muon")
+    t.add_argument("--activation-checkpointing", action="store_true",
+                   help="count activations with per-block recomputation")
     p.set_defaults(func=cmd_memory)
     return p
 
@@ -55,9 +71,21 @@ def add_info(sub) -> argparse.ArgumentParser:
 COMMANDS = {"memory": add_memory, "info": add_info}
 
 
+_TRAIN_FLAGS = ("world_size", "seq_len", "batch_size", "dtype", "optimizer",
+                "activation_checkpointing")
+
+
 def cmd_memory(args: argparse.Namespace, out: Console) -> int:
     from hyla.eval.memory import memory_report
 
+    if args.train:
+        return _cmd_train_memory(args, out)
+    given = [f"--{k.replace('_', '-')}" for k in _TRAIN_FLAGS
+             if getattr(args, k, None) not in (None, False)]
+    if given:
+        raise ValueError(f"{', '.join(given)} only go with --train")
+    if args.context is None:
+        raise ValueError("--context is required (tokens, e.g. 8192 or 8K), unless --train")
     if args.checkpoint is not None:
         from hyla.model.sizing import read_config
 
@@ -82,6 +110,62 @@ def cmd_memory(args: argparse.Namespace, out: Console) -> int:
     line = published_line(report)
     if line:
         out.print(line)
+    return 0
+
+
+def _cmd_train_memory(args: argparse.Namespace, out: Console) -> int:
+    from hyla.cli.common import format_bytes
+    from hyla.eval.train_memory import train_memory_report
+
+    if args.context is not None:
+        raise ValueError("--context sizes per-sequence state: with --train give --seq-len")
+    for flag, value in (("--world-size", args.world_size), ("--batch-size", args.batch_size)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.checkpoint is not None:
+        from hyla.model.sizing import read_config
+
+        cfg = read_config(args.checkpoint)
+        model = _name(args.checkpoint, cfg)
+    else:
+        cfg, model = args.preset, args.preset
+    report = train_memory_report(
+        cfg, world_size=args.world_size or 8, seq_len=args.seq_len or 2048,
+        batch_size=args.batch_size or 1, precision=args.dtype or "fp32",
+        optimizer=args.optimizer or "muon",
+        activation_checkpointing=args.activation_checkpointing, model=model)
+    if args.json:
+        sys.stdout.write(json.dumps(report) + "\n")
+        return 0
+    r, s = report, report["strategies"]
+    table = Table(title=f"Training memory a rank: {r['model'] or 'config'} "
+                        f"({r['params'] / 1e9:,.2f}B parameters), {r['world_size']} ranks, "
+                        f"{r['batch_size']} x {r['seq_len']:,} tokens, {r['precision']}")
+    table.add_column("")
+    for name in ("fsdp", "replicate"):
+        table.add_column(name, justify="right")
+    ckpt = "checkpointed" if r["activation_checkpointing"] else "no checkpointing"
+    muon = "Muon momentum (rows sharded) + " if r["optimizer"] == "muon" else ""
+    rows = (("parameters (fp32)", "params"), ("gradients (fp32)", "grads"),
+            (f"optimizer: {muon}AdamW moments", "optimizer"),
+            ("all-gathered while computing (see below)", "transient"),
+            (f"activations ({ckpt})", "activations"), ("total", "total"),
+            ("sent a step (one micro-batch)", "comm_bytes"))
+    for label, key in rows:
+        table.add_row(label, *(format_bytes(s[n][key]) for n in ("fsdp", "replicate")))
+    out.print(table)
+    act = r["activation_detail"]
+    out.print(f"all-gathered (fsdp): the root's {r['root_params'] / 1e6:,.0f}M parameters "
+              f"(embedding, final norm, head: kept from forward to backward) and two blocks' "
+              f"(computing + prefetched, up to {r['largest_block_params'] / 1e6:,.0f}M "
+              f"each), with one block's and the root's fp32 gradients before their "
+              f"reduce-scatter")
+    out.print(f"activations: what autograd saves for backward, traced at this batch "
+              f"(blocks {format_bytes(sum(act['blocks']))}, head "
+              f"{format_bytes(act['head'])}, autocast weight copies "
+              f"{format_bytes(act['weight_copies'])}) + the logits' fp32 gradient "
+              f"{format_bytes(act['logits_grad'])}; checkpointed: block inputs + one block's "
+              f"recompute + head = {format_bytes(act['checkpointed'])}")
     return 0
 
 
