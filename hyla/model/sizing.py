@@ -86,11 +86,11 @@ def config_from_dict(data: dict, source: str = "config.json") -> HylaConfig:
             return FAMILIES[kind].to_config(data, source)
         if kind in ARCHITECTURES:
             return hf_config_to_hyla(data, source)
-        if kind == "gla":
-            from hyla.model.formats.fla import fla_config_to_hyla
+        from hyla.model.formats import fla
 
-            return fla_config_to_hyla(data, source)[0]
-        known = sorted({*FAMILIES, *ARCHITECTURES, "gla"})
+        if kind == fla.MODEL_TYPE:
+            return fla.fla_config_to_hyla(data, source)[0]
+        known = sorted({*FAMILIES, *ARCHITECTURES, fla.MODEL_TYPE})
         raise ValueError(f"{source}: model_type {kind!r} is not supported: expected one of "
                          f"{known}")
     missing = [k for k in ("vocab_size", "d_model", "layers", "n_heads", "ffn_dim")
