@@ -19,6 +19,7 @@ import torch
 
 from hyla.model.formats.checkpoint import save_checkpoint
 from hyla.train.config import TrainConfig
+from hyla.train.dcp_files import DCP, check_dcp
 
 STATE = "train_state.pt"
 
@@ -99,8 +100,6 @@ def load_train_state(run_dir: pathlib.Path, cfg=None, *, config_type: type = Tra
         try:
             state = torch.load(ckpt / STATE, weights_only=True)
             if state.get("format") == "dcp":
-                from hyla.train.dist_checkpoint import DCP, check_dcp
-
                 check_dcp(ckpt / DCP)     # names a missing or truncated shard
                 check_safetensors(ckpt / "model.safetensors")   # what export reads
                 state["dcp"] = ckpt / DCP
