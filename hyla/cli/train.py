@@ -49,7 +49,7 @@ def add_quickstart(sub) -> argparse.ArgumentParser:
     return p
 
 
-# Planned strategies parse, so that TrainConfig can say they are not built yet.
+# Planned strategies (none left) parse, so that TrainConfig can say they are not built yet.
 CHOICES = {"optimizer": OPTIMIZERS, "precision": PRECISIONS, "device": DEVICES,
            "strategy": STRATEGIES + PLANNED_STRATEGIES}
 
@@ -61,8 +61,9 @@ def add_train(sub) -> argparse.ArgumentParser:
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         default = getattr(defaults, field.name)
-        if isinstance(default, bool):
-            p.add_argument(flag, action="store_true")
+        if isinstance(default, bool):   # on by default: --no-<flag> turns it off
+            p.add_argument(flag, action=argparse.BooleanOptionalAction if default
+                           else "store_true", default=default)
         elif field.name in CHOICES:
             p.add_argument(flag, choices=CHOICES[field.name], default=default)
         else:

@@ -247,6 +247,39 @@ def small() -> HylaConfig:
     return HylaConfig(vocab_size=8192, d_model=384, layers="GGGA" * 2, n_heads=6, ffn_dim=1024)
 
 
+def with_moe(cfg: HylaConfig, expert_dim: int) -> HylaConfig:
+    """``cfg`` with every FFN a mixture of experts: 8 routed experts of ``expert_dim``, top-2,
+    one always-on shared expert of the same width, DeepSeek-V3's router (sigmoid scores,
+    top-2 weights renormalised) and its auxiliary-loss-free balancing: ``score_bias`` moves
+    by 1e-3 a step towards uniform load (:mod:`hyla.train.routing`). Why not a Switch-style
+    auxiliary loss: no gradient competes with the LM loss, and the bias is a buffer updated
+    from integer counts summed over the ranks, so every rank applies the same update and
+    diloco/fomoe's outer step (parameters only) never has to average it."""
+    moe = {"num_experts": 8, "top_k": 2, "expert_dim": expert_dim, "shared_dim": expert_dim,
+           "router": "sigmoid", "score_bias": True, "norm_topk": True, "balance_rate": 1e-3}
+    return dataclasses.replace(cfg, ffn_layers="E" * cfg.n_layers, ffn_options={"moe": moe})
+
+
+def debug_moe() -> HylaConfig:
+    """``debug`` with MoE FFNs (:func:`with_moe`, experts 40 wide): 378,064 parameters,
+    193,744 active a token (debug: 197,840). Seconds a step on a CPU."""
+    return with_moe(debug(), 40)
+
+
+def small_moe() -> HylaConfig:
+    """``small`` with MoE FFNs (:func:`with_moe`, experts 336 wide, so 2 routed + 1 shared
+    expert are about small's 1024-wide SwiGLU): 38,967,168 parameters, 20,387,712 active a
+    token (small: 20,510,592), at vocab 8192.
+
+    Example:
+        >>> from hyla.model.sizing import parameter_counts
+        >>> n = parameter_counts(small_moe())
+        >>> n["total"], n["active"], n["moe_layers"]
+        (38967168, 20387712, 8)
+    """
+    return with_moe(small(), 336)
+
+
 def laplace_3b() -> HylaConfig:
     """The reference 3B GLA model: 24 GLA layers, d_model 3072, about 3.03B parameters.
 
@@ -266,6 +299,8 @@ def laplace_3b() -> HylaConfig:
 PRESETS: dict[str, Callable[[], HylaConfig]] = {
     "debug": debug,
     "small": small,
+    "debug-moe": debug_moe,
+    "small-moe": small_moe,
     "laplace-3b": laplace_3b,
 }
 

@@ -9,8 +9,10 @@ OPTIMIZERS = ("muon", "adamw")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("cpu", "cuda")
 MUON_STRATEGIES = ("all_to_all", "all_gather")  # DistMuon's, under torchrun
-STRATEGIES = ("fsdp",)  # how W > 1 ranks train (hyla.train.distributed)
-PLANNED_STRATEGIES = ("diloco", "fomoe")  # reserved for the FoMoE issue: not built yet
+# how W > 1 ranks train: fsdp (hyla.train.distributed), diloco (hyla.train.diloco), fomoe
+# (hyla.train.fomoe)
+STRATEGIES = ("fsdp", "diloco", "fomoe")
+PLANNED_STRATEGIES: tuple[str, ...] = ()  # none left
 
 
 @dataclass(kw_only=True)
@@ -39,6 +41,13 @@ class TrainConfig:
     muon_lr: float = 0.02
     muon_strategy: str = "all_to_all"  # multi-process runs: how DistMuon shares matrices
     strategy: str = "fsdp"  # multi-process runs: FSDP2 shards (see hyla.train.distributed)
+    # diloco / fomoe: inner steps between outer syncs, and the outer Nesterov SGD
+    sync_every: int = 16
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    expert_replicas: int = 0  # fomoe: workers holding each expert (1..W); 0: all W
+    token_skipping: bool = True  # fomoe: drop the pairs routed to experts held elsewhere
+    sync_timeout: float = 600.0  # diloco / fomoe: seconds a sync waits for a silent rank
     device: str = "cpu"  # "cuda": under torchrun each rank on cuda:LOCAL_RANK (nccl)
     weight_decay: float = 0.0
     warmup_steps: int = 10
@@ -57,7 +66,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "seq_len", "batch_size", "grad_accum", "save_every", "keep_last",
-                     "eval_batches", "vocab_size", "tokenizer_documents"):
+                     "eval_batches", "vocab_size", "tokenizer_documents", "sync_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.shuffle_buffer < 0:
@@ -69,11 +78,20 @@ class TrainConfig:
         if self.muon_strategy not in MUON_STRATEGIES:
             raise ValueError(f"muon_strategy must be one of {MUON_STRATEGIES}, "
                              f"got {self.muon_strategy!r}")
-        if self.strategy in PLANNED_STRATEGIES:
-            raise ValueError(f"strategy {self.strategy!r} is not available yet (planned: "
-                             f"{', '.join(PLANNED_STRATEGIES)}): use --strategy fsdp")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_lr must be > 0 and outer_momentum in [0, 1), got "
+                             f"--outer-lr {self.outer_lr} --outer-momentum "
+                             f"{self.outer_momentum}")
+        if self.expert_replicas < 0:
+            raise ValueError(f"expert_replicas must be >= 1 (or 0: every worker), got "
+                             f"{self.expert_replicas}")
+        if self.expert_replicas and self.strategy != "fomoe":
+            raise ValueError(f"--expert-replicas is fomoe's: pass --strategy fomoe, or drop "
+                             f"--expert-replicas {self.expert_replicas}")
+        if not self.sync_timeout > 0:
+            raise ValueError(f"sync_timeout must be > 0 seconds, got {self.sync_timeout}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if not 0 <= self.decay_fraction <= 1:

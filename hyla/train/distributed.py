@@ -1,8 +1,7 @@
 """Training over ``torch.distributed``: what the Trainer does differently at W > 1.
 
 Launched by ``torchrun --nproc-per-node W`` (or inside a process group a test set up), each
-rank builds the same model from the same seed and, with ``--strategy fsdp`` (the default and,
-for now, the only one):
+rank builds the same model from the same seed and, with ``--strategy fsdp`` (the default):
 
 - shards it with FSDP2: ``fully_shard`` on every block, then on the whole model (embedding,
   final norm, head), over a one-dimensional :class:`~torch.distributed.device_mesh.DeviceMesh`
@@ -18,7 +17,9 @@ for now, the only one):
 - saves checkpoints with ``torch.distributed.checkpoint`` (see
   :mod:`hyla.train.dist_checkpoint`), every rank its shards, plus a consolidated model.
 
-``diloco`` and ``fomoe`` are reserved names for strategies not built yet.
+``--strategy diloco`` and ``fomoe`` keep a full (FoMoE: all but the experts held elsewhere)
+copy a rank and sync every H steps instead: :mod:`hyla.train.diloco`,
+:mod:`hyla.train.fomoe`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import datetime
 import os
 
 import torch
@@ -41,8 +43,11 @@ from hyla.train.muon_fsdp import ShardedMuon
 from hyla.train.param_groups import split_params
 
 
-def setup() -> tuple[int, int]:
+def setup(timeout: float | None = None) -> tuple[int, int]:
     """``(rank, world)``: an existing process group's, torchrun's (started here), or ``(0, 1)``.
+
+    ``timeout``: seconds a collective waits for a silent rank before it fails (diloco/fomoe's
+    ``--sync-timeout``); None: torch's default.
 
     Example:
         >>> setup() if "WORLD_SIZE" not in os.environ else (0, 1)
@@ -55,7 +60,9 @@ def setup() -> tuple[int, int]:
         return 0, 1
     # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: the env:// defaults. CPU
     # tensors (the data, the loss, a CPU model) always have gloo; CUDA ones get nccl.
-    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
+                            timeout=None if timeout is None
+                            else datetime.timedelta(seconds=timeout))
     atexit.register(_destroy)
     return dist.get_rank(), dist.get_world_size()
 

@@ -86,6 +86,10 @@ class Loop:
         counters: the :class:`~hyla.train.comm.CommCounter` s of what this rank sends; each
             record gets ``comm_bytes`` (the most any rank sent that step) and
             ``comm_bytes_per_rank``.
+        after_step: called with the global step after each optimizer step, before its bytes
+            are counted (DiLoCo's outer sync: :class:`~hyla.train.diloco.OuterSync`).
+        save_fn: ``save_fn(loop, target)`` writes a checkpoint instead of the default writers
+            (DiLoCo/FoMoE: :mod:`hyla.train.replica_checkpoint`).
 
     Example:
         >>> import tempfile
@@ -108,12 +112,16 @@ class Loop:
     def __init__(self, *, out, cfg, model: torch.nn.Module, tokenizer, stage: Stage, total: int,
                  step: int = 0, validate: Callable[[], float | dict] | None = None, rank: int = 0,
                  world: int = 1, distributed_checkpoints: bool = False,
-                 counters: list[CommCounter] | None = None):
+                 counters: list[CommCounter] | None = None,
+                 after_step: Callable[[int], None] | None = None,
+                 save_fn: Callable[[Loop, pathlib.Path], pathlib.Path] | None = None):
         self.out, self.cfg, self.model, self.tokenizer = pathlib.Path(out), cfg, model, tokenizer
         self.stage, self.total, self.step = stage, total, step
         self.validate, self.rank, self.world = validate, rank, world
         self.distributed_checkpoints = distributed_checkpoints
         self.counters = counters or []
+        self.after_step, self.save_fn = after_step, save_fn
+        self.routing = None   # MoE models: a hyla.train.routing.RoutingMonitor (the Trainer's)
         self.metrics = MetricsLog(self.out / "metrics.jsonl", step, enabled=rank == 0)
 
     # What a checkpoint saves (save_train_checkpoint reads these).
@@ -152,6 +160,10 @@ class Loop:
         for sch in stage.schedulers:
             sch.step()
         self.step += 1
+        if self.after_step is not None:
+            self.after_step(self.step)
+        if self.routing is not None:   # balance the experts; load and routing metrics
+            record.update(self.routing.after_step(self.step, final=self.step == self.total))
         if self.counters and self.world > 1:
             sent = distributed.per_rank(self._bytes_sent() - sent_before, self.world)
             record["comm_bytes"], record["comm_bytes_per_rank"] = max(sent), sent
@@ -163,6 +175,8 @@ class Loop:
     def save(self) -> pathlib.Path:
         """Write ``ckpt-<step>/`` (every rank must call it under ``torchrun``)."""
         target = self.out / f"ckpt-{self.step:06d}"
+        if self.save_fn is not None:
+            return self.save_fn(self, target)
         if self.distributed_checkpoints:
             from hyla.train.dist_checkpoint import save_dcp_checkpoint
 

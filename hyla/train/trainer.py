@@ -5,9 +5,12 @@ A run directory holds ``tokenizer.json``, ``metrics.jsonl`` (one JSON object a s
 consolidated model + a distributed checkpoint of model and optimizers + ``train_state.pt``:
 schedulers, data position, RNG states; :mod:`hyla.train.dist_checkpoint`). A resumed run
 continues from the newest checkpoint, at the same or another world size, and, on CPU in fp32
-at the same world size, reproduces the uninterrupted run's losses bit for bit. The loop is
-:class:`hyla.train.loop.Loop`, with the :class:`~hyla.train.objectives.LanguageModelling`
-objective.
+at the same world size, reproduces the uninterrupted run's losses bit for bit. Under
+``--strategy diloco`` / ``fomoe`` (:mod:`hyla.train.diloco`, :mod:`hyla.train.fomoe`) every
+rank keeps its own copy and syncs every ``--sync-every`` steps; their checkpoints
+(:mod:`hyla.train.replica_checkpoint`) resume exactly at the world size that wrote them.
+The loop is :class:`hyla.train.loop.Loop`, with the
+:class:`~hyla.train.objectives.LanguageModelling` objective.
 """
 
 from __future__ import annotations
@@ -60,13 +63,15 @@ class Trainer:
         # --resume takes a run directory (its newest intact checkpoint) or one ckpt-<step>
         self.out = run_dir_of(resume) if resume else pathlib.Path(cfg.out)
         # World size 1 (no torchrun, no process group): every distributed hook is skipped.
-        self.rank, self.world = distributed.setup()
+        replicas = cfg.strategy in ("diloco", "fomoe")
+        self.rank, self.world = distributed.setup(cfg.sync_timeout if replicas else None)
         state = (load_train_state(pathlib.Path(resume), cfg, fixed=TRAIN_RESUME_FIXED)
                  if resume else None)
         if state is not None:
             saved_world = int(state.get("world_size",
                                         state["data_position"].get("world_size", 1)))
-            if "dcp" not in state and max(self.world, saved_world) > 1:
+            if ("dcp" not in state and state.get("format") != "replicas"
+                    and max(self.world, saved_world) > 1):
                 # hand-written data parallelism's layout: nothing maps it onto FSDP shards
                 raise ValueError(f"{state['resumed_from']} predates distributed checkpoints "
                                  f"and was written at world size {saved_world}: only a "
@@ -95,8 +100,18 @@ class Trainer:
             self.model = HylaLM(model_cfg)
         self.model.to(device)
         self.model.activation_checkpointing = cfg.activation_checkpointing
-        self.mesh, counter = None, CommCounter()
-        if self.world > 1:
+        self.mesh, counter, self.outer = None, CommCounter(), None
+        if cfg.strategy == "fomoe" and self.world == 1:   # the bad inputs, even in one process
+            from hyla.train.diloco import fomoe_placement
+
+            fomoe_placement(self.model, cfg, self.world)
+        if self.world > 1 and cfg.strategy in ("diloco", "fomoe"):   # a full copy a rank
+            from hyla.train.diloco import replica_strategy
+
+            distributed.broadcast_parameters(self.model)
+            self.outer, optimizers = replica_strategy(self.model, cfg, self.rank, self.world,
+                                                      counter)
+        elif self.world > 1:
             distributed.broadcast_parameters(self.model)
             self.mesh = distributed.device_mesh(self.world, device)
             distributed.shard_model(self.model, cfg, self.mesh, counter)
@@ -106,7 +121,18 @@ class Trainer:
         schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: wsd_lr_factor(s, cfg))
                       for o in optimizers]
         step, position = 0, None
-        if state is not None and "dcp" in state:
+        if state is not None and self.outer is not None:
+            from hyla.train.replica_checkpoint import restore_replicas
+
+            restore_replicas(self.model, optimizers, schedulers, self.outer, state,
+                             rank=self.rank, world=self.world, strategy=cfg.strategy)
+        elif state is not None and state.get("format") == "replicas":
+            raise ValueError(f"{state['resumed_from']} is a --strategy "
+                             f"{state['cfg'].strategy} checkpoint of {state['world_size']} "
+                             f"ranks: resume it under torchrun --nproc-per-node "
+                             f"{state['world_size']}, or start a new --out with --init "
+                             f"{state['resumed_from']} to keep its weights")
+        elif state is not None and "dcp" in state:
             from hyla.train.dist_checkpoint import restore_dcp
 
             restore_dcp(self.model, optimizers, schedulers, state)
@@ -134,11 +160,24 @@ class Trainer:
                          world=self.world, distributed_checkpoints=True,
                          counters=[counter] + [o.counter for o in optimizers
                                                if hasattr(o, "counter")],
-                         validate=self._validate)
+                         validate=self._validate, **self._replica_hooks())
+        from hyla.train.routing import routing_monitor  # MoE: balancing + routing metrics
+
+        self.loop.routing = routing_monitor(self.model, self.tokenizer, cfg, counter)
+
+    def _replica_hooks(self) -> dict:
+        """diloco / fomoe: the outer sync after each step, their own checkpoints."""
+        if self.outer is None:
+            return {}
+        from hyla.train.replica_checkpoint import save_replicas_checkpoint
+
+        return {"after_step": self.outer.after_step,
+                "save_fn": lambda loop, target: save_replicas_checkpoint(loop, target,
+                                                                         self.outer)}
 
     def _validate(self) -> float:
         loss = validation_loss(self.model, self.tokenizer, self.cfg)
-        if self.world > 1:
+        if self.world > 1 and self.outer is None:
             distributed.reshard(self.model)
         return loss
 
@@ -181,7 +220,15 @@ class Trainer:
     def fit(self, progress: bool = True) -> dict:
         """Train to ``cfg.steps``, then write ``run.json`` (collective); returns the last
         metrics record (with ``val_loss``)."""
-        record = self.loop.fit(progress=progress)
+        if self.outer is None:
+            record = self.loop.fit(progress=progress)
+        else:
+            from hyla.train.diloco import stopped
+
+            try:
+                record = self.loop.fit(progress=progress)
+            except (RuntimeError, torch.distributed.DistError) as e:   # a rank went silent
+                raise stopped(e, self.loop.step, self.out, self.cfg.sync_timeout) from e
         self.write_run_json()
         return record
 
@@ -191,6 +238,12 @@ class Trainer:
         parallel = parallel_record(self.model, self.loop.optimizers, world=self.world,
                                    strategy=self.cfg.strategy if self.world > 1 else "single",
                                    mesh=self.mesh)
+        if self.outer is not None:
+            from hyla.train.diloco import replica_report
+
+            parallel.update(replica_report(self.outer, self.cfg, self.model))
+            parallel["sync_bytes_per_sync"] = distributed.per_rank(self.outer.sync_bytes(),
+                                                                   self.world)
         if self.rank == 0:
             write_run_json(self.out, {"command": "train", "step": self.step,
                                       "cfg": self.cfg.to_dict(), "parallel": parallel,

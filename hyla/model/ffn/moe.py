@@ -13,6 +13,13 @@ Two routers, the two the hybrid families ship:
 Only the experts tokens were routed to are computed: the (token, choice) pairs are sorted by
 expert and each expert runs once on its contiguous rows (``torch._grouped_mm`` does all of
 them in one call on CUDA). No ``[tokens, experts, ...]`` tensor is ever built.
+
+Load balancing (hyla's own MoE presets): DeepSeek-V3's auxiliary-loss-free bias. In training
+mode each layer adds its tokens per expert to ``expert_counts`` ([E] long, a plain attribute:
+no graph, not in the state dict); after each optimizer step
+:func:`hyla.train.routing.balance_experts` sums them over the ranks and moves ``score_bias``
+by ``balance_rate * sign(mean load - load)``. ``record_routes`` keeps the last forward's
+expert ids (``last_routes``), which the routing-stability metric compares.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ class MoEOptions:
     shared_dim: int = 0              # SwiGLU width of the shared expert(s); 0: none
     shared_gate: bool = False        # shared output times sigmoid(shared_gate(x)) (Qwen3-Next)
     grouped_mm: str = "auto"         # "auto" (on CUDA), "always", "never": torch._grouped_mm
+    balance_rate: float = 0.0        # score_bias step a training step (hyla.train.routing)
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "expert_dim", "n_group", "topk_group"):
@@ -71,6 +79,9 @@ class MoEOptions:
         if self.grouped_mm not in ("auto", "always", "never"):
             raise ValueError(f"grouped_mm must be 'auto', 'always' or 'never', "
                              f"got {self.grouped_mm!r}")
+        if self.balance_rate < 0 or (self.balance_rate and not self.score_bias):
+            raise ValueError(f"balance_rate must be >= 0 (and 0 without score_bias: it moves "
+                             f"the bias), got {self.balance_rate}")
 
 
 @register_ffn("E")
@@ -106,6 +117,10 @@ class MoEFFN(FFN):
             self.shared = SwiGLU(d, o.shared_dim)
             if o.shared_gate:
                 self.shared_gate = nn.Linear(d, 1, bias=False)
+        # Plain attributes, not buffers: never saved, moved or left uninitialised by to_empty.
+        self.expert_counts: torch.Tensor | None = None    # [E] long, tokens routed (training)
+        self.record_routes = False
+        self.last_routes: torch.Tensor | None = None      # [N, k] long, when record_routes
 
     @classmethod
     def parameters_count(cls, cfg) -> int:
@@ -146,6 +161,14 @@ class MoEFFN(FFN):
         shape = x.shape
         h = x.reshape(-1, shape[-1])
         weights, ids = self.route(h)
+        if self.record_routes:
+            self.last_routes = ids.detach()
+        # the routing decisions, whichever experts then run them (fomoe skips some); a forward
+        # recomputed in backward (activation checkpointing) must not count twice
+        if self.training and torch._C._current_graph_task_id() == -1:
+            counts = torch.bincount(ids.reshape(-1), minlength=self.opts.num_experts)
+            self.expert_counts = (counts if self.expert_counts is None
+                                  else self.expert_counts + counts)
         out = self._experts(h, ids, weights)
         if self.opts.shared_dim:
             shared = self.shared(h)
