@@ -117,9 +117,9 @@ class HeldExperts(MoEFFN):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * o.scaling, ids
 
-    def _experts(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+    def combine_experts(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
         if self.holds_all:
-            return super()._experts(h, ids, weights)
+            return super().combine_experts(h, ids, weights)
         k = ids.shape[1]
         local = self.local_index[ids]                          # [N, k]; -1: held elsewhere
         kept = weights * (local >= 0)

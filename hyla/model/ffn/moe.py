@@ -169,7 +169,7 @@ class MoEFFN(FFN):
             counts = torch.bincount(ids.reshape(-1), minlength=self.opts.num_experts)
             self.expert_counts = (counts if self.expert_counts is None
                                   else self.expert_counts + counts)
-        out = self._experts(h, ids, weights)
+        out = self.combine_experts(h, ids, weights)
         if self.opts.shared_dim:
             shared = self.shared(h)
             if self.opts.shared_gate:
@@ -177,8 +177,9 @@ class MoEFFN(FFN):
             out = out + shared
         return out.view(shape)
 
-    def _experts(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
-        """Sum over each token's k experts of weight * expert(h), grouped by expert."""
+    def combine_experts(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """h [N, d], ids and weights [N, k] -> [N, d]: the sum over each token's k experts of
+        weight * expert(h), grouped by expert (fomoe overrides it to run only held experts)."""
         N, k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
