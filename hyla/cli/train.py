@@ -54,6 +54,22 @@ CHOICES = {"optimizer": OPTIMIZERS, "precision": PRECISIONS, "device": DEVICES,
            "strategy": STRATEGIES + PLANNED_STRATEGIES}
 
 
+# What the multi-process flags mean (the others are TrainConfig's fields, shown with their
+# defaults).
+HELP = {
+    "strategy": "under torchrun: fsdp (FSDP2 shards, sharded Muon, DCP checkpoints), diloco "
+                "(replicas, outer Nesterov every --sync-every steps) or fomoe (diloco with each "
+                "expert on --expert-replicas workers)",
+    "sync_every": "diloco/fomoe: inner steps between outer syncs",
+    "outer_lr": "diloco/fomoe: outer SGD learning rate on the averaged pseudo-gradient",
+    "outer_momentum": "diloco/fomoe: outer Nesterov momentum (0: plain SGD)",
+    "expert_replicas": "fomoe: workers holding each expert, 1..W (W is diloco)",
+    "token_skipping": "fomoe: drop (token, expert) pairs routed to experts held elsewhere",
+    "sync_timeout": "seconds a collective may wait before a silent rank is named",
+    "device": "cpu, or cuda (each rank on cuda:LOCAL_RANK)",
+}
+
+
 def add_train(sub) -> argparse.ArgumentParser:
     """Register ``hyla train`` on the ``hyla`` sub-parser set."""
     p = sub.add_parser("train", help="train a preset on the stdlib corpus or your data")
@@ -61,14 +77,15 @@ def add_train(sub) -> argparse.ArgumentParser:
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         default = getattr(defaults, field.name)
+        text = f"{HELP.get(field.name, field.name.replace('_', ' '))} (default: {default})"
         if isinstance(default, bool):   # on by default: --no-<flag> turns it off
             p.add_argument(flag, action=argparse.BooleanOptionalAction if default
-                           else "store_true", default=default)
+                           else "store_true", default=default, help=text)
         elif field.name in CHOICES:
-            p.add_argument(flag, choices=CHOICES[field.name], default=default)
+            p.add_argument(flag, choices=CHOICES[field.name], default=default, help=text)
         else:
             kind = type(default) if default is not None else str
-            p.add_argument(flag, type=kind, default=default)
+            p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue the run in DIR from its newest checkpoint")
     p.add_argument("--no-progress", action="store_true")
