@@ -208,18 +208,10 @@ def hf_state_to_hyla(weights: dict[str, torch.Tensor], cfg: HylaConfig,
     """Rename a transformers state dict to hyla's. Every tensor of the file must have a
     place in ``cfg``'s model: one that would be dropped (a bias the config does not declare,
     say) is refused, since the model would then compute something else."""
+    from hyla.model.formats.families.base import head_to_hyla  # that module imports this
+
     weights = dict(weights)
-    out = {"embed.weight": _take(weights, "model.embed_tokens.weight", source),
-           "norm.weight": _take(weights, "model.norm.weight", source)}
-    head = weights.pop("lm_head.weight", None)
-    if not cfg.tie_embeddings:
-        if head is None:
-            raise ValueError(f"{source} has no tensor 'lm_head.weight' (tie_word_embeddings "
-                             f"is false): expected a Llama-style state dict")
-        out["lm_head.weight"] = head
-    elif head is not None and not torch.equal(head, out["embed.weight"]):
-        raise ValueError(f"{source}: lm_head.weight differs from model.embed_tokens.weight "
-                         f"although tie_word_embeddings is true")
+    out = head_to_hyla(weights, cfg, source)
     for i in range(cfg.n_layers):
         for ours, theirs in _layer_map(cfg).items():
             out[f"blocks.{i}.{ours}"] = _take(weights, f"model.layers.{i}.{theirs}", source)
