@@ -35,7 +35,7 @@ def generate(model: HylaLM, prompt_ids: list[int], max_new_tokens: int, *,
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and top_k <= 0:
         raise ValueError(f"top_k must be a positive int or None, got {top_k}")
-    device = model.embed.weight.device
+    device = model.anchor.device
     gen = None
     if seed is not None:
         gen = torch.Generator(device=device).manual_seed(seed)

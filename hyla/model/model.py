@@ -92,9 +92,15 @@ class HylaLM(nn.Module):
         """One :class:`~hyla.model.mixers.StateSpec` per layer."""
         return layer_specs(self.cfg)
 
+    @property
+    def anchor(self) -> torch.Tensor:
+        """A weight in the model's compute dtype and on its device, whatever else happens to
+        the weights (quantisation replaces the embedding and the linear layers)."""
+        return self.norm.weight
+
     def new_state(self) -> SequenceState:
         """An empty SequenceState on this model's device, caches in its dtype."""
-        p = self.embed.weight
+        p = self.anchor
         return SequenceState.empty(self.cfg, device=p.device, dtype=p.dtype)
 
     def forward(self, input_ids: torch.Tensor, ctx: Context | None = None, *,

@@ -56,7 +56,7 @@ class Runner:
         replay each decode shape as a captured CUDA graph (needs a CUDA model unless a
         stand-in ``capture`` function is given, as the CPU tests do)."""
         self.model = model
-        p = model.embed.weight
+        p = model.anchor
         self.device, self.dtype = p.device, p.dtype
         self.block_size = block_size
         self.pad_slot = max_num_seqs

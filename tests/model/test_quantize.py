@@ -1,0 +1,102 @@
+"""Weight-only int8 / int4 quantisation (hyla.model.quantize)."""
+
+import pytest
+import torch
+
+from hyla.model import HylaLM, preset
+from hyla.model.quantize import (
+    KERNEL_MAX_ROWS,
+    Int4Linear,
+    Int8Linear,
+    _int4_layout_known,
+    int4_fits,
+    quantize_model,
+)
+
+
+def test_int8_linear_is_its_dequantised_weight():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48, bias=True)
+    q = Int8Linear(lin.weight, lin.bias)
+    x = torch.randn(3, 5, 64)
+    want = x @ q.dequantized().T + lin.bias
+    assert torch.allclose(q(x), want, atol=0.05, rtol=0.02)
+    # and the dequantised weight is within half a step of the original
+    step = lin.weight.abs().amax(1, keepdim=True) / 127
+    assert ((q.dequantized() - lin.weight).abs() <= step * 0.51 + 1e-3).all()
+
+
+def test_int4_takes_q4_blocks_exactly():
+    # Weights already on a 4-bit grid per block of 32 (what a Q4_1 GGUF dequantises to)
+    # survive re-quantisation: the output is x @ W up to bf16 activation rounding.
+    torch.manual_seed(0)
+    n, k, g = 64, 128, 32
+    codes = torch.randint(0, 16, (n, k // g, g)).float()
+    codes[..., 0], codes[..., 1] = 0, 15                     # each block spans its range
+    d = (torch.rand(n, k // g, 1) * 0.1 + 0.01).bfloat16().float()
+    m = (torch.randn(n, k // g, 1) * 0.1).bfloat16().float()
+    w = (codes * d + m).view(n, k)
+    q = Int4Linear(w, None, g)
+    x = torch.randn(4, k)
+    want = x.bfloat16().float() @ w.T
+    assert torch.allclose(q(x), want, atol=0.05 * want.abs().max().item())
+    assert torch.allclose(q.dequantized(), w, atol=1e-2 * w.abs().max().item())
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+def test_prefill_rows_take_the_dense_path_with_the_same_weights(cls):
+    # A few rows go through torch's packed kernel, many through the dequantised weight:
+    # both must compute the same product (up to the kernel's bf16 activations).
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 192, bias=False)
+    q = cls(lin.weight, None)
+    x = torch.randn(KERNEL_MAX_ROWS + 1, 128)
+    few = torch.cat([q(x[i:i + 1]) for i in range(len(x))])
+    many = q(x)
+    assert torch.allclose(few, many, atol=0.02 * many.abs().max().item())
+    assert torch.allclose(many, x @ q.dequantized().T, atol=1e-4)
+
+
+def test_the_int4_packing_is_the_one_unpacked():
+    assert _int4_layout_known()
+
+
+def test_int4_falls_back_to_int8_where_the_kernel_cannot():
+    assert int4_fits(torch.empty(64, 128))
+    assert not int4_fits(torch.empty(64, 40)) and not int4_fits(torch.empty(48, 128))
+    model = HylaLM(preset("debug")).eval()
+    report = quantize_model(model, "int4")
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert {"Int4Linear", "Int8Linear", "Int8Embedding"} <= kinds
+    assert 0 < report.int4_layers < report.layers
+    assert "Linear" not in kinds and "Embedding" not in kinds
+
+
+# Relative RMS error of the logits of a random debug model (the real cost, in perplexity on
+# SmolLM2, is measured by benchmarks/quantize.py).
+@pytest.mark.parametrize("scheme, tol", [("int8", 0.05), ("int4", 0.4)])
+def test_quantised_model_decodes_like_itself_and_near_the_original(scheme, tol):
+    torch.manual_seed(0)
+    model = HylaLM(preset("debug")).eval()
+    ids = torch.randint(0, 256, (10,))
+    ref = model(ids[None])[0]
+    report = quantize_model(model, scheme)
+    assert report.bytes_after < report.bytes_before / 2.5
+    full = model(ids[None])[0]
+    assert (full - ref).norm() < tol * ref.norm()
+    # prefill + decode through the quantised layers agrees with the full forward
+    st = model.new_state()
+    model.prefill(ids[:7], st)
+    step = model.decode(ids[7:8], [st])
+    assert torch.allclose(step[0], full[7], atol=1e-2)
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_bad_scheme_and_device_are_named():
+    model = HylaLM(preset("debug"))
+    with pytest.raises(ValueError, match="int3"):
+        quantize_model(model, "int3")
+    from hyla.model.quantize import _check_device
+    with pytest.raises(ValueError, match="int4.*CPU only.*cuda"):
+        _check_device("int4", torch.device("cuda"))
+    assert quantize_model(model, "none").layers == 0
