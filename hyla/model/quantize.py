@@ -12,7 +12,8 @@ those kernels in bf16, the dtype they are fast in; everything outside the linear
   almost exactly.
 
 A linear layer the int4 kernel cannot take (an input size not a multiple of the group, a
-tiny low-rank gate) falls back to int8; the embedding table is kept as int8 rows. A quantised
+tiny low-rank gate) falls back to int8, and so does the output layer; the embedding table is
+kept as int8 rows. A quantised
 model is for inference only: it refuses to train.
 
 Example:
@@ -204,7 +205,9 @@ def quantize_model(model: nn.Module, scheme: str, *, group: int = INT4_GROUP) ->
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                if scheme == "int4" and int4_fits(child.weight, group):
+                # The output layer stays int8 under int4, as llama.cpp's 4-bit files keep it
+                # at 6-8 bits: each of its errors lands directly on a logit.
+                if scheme == "int4" and name != "lm_head" and int4_fits(child.weight, group):
                     new: nn.Module = Int4Linear(child.weight, child.bias, group)
                     int4 += 1
                 else:

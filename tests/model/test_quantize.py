@@ -69,6 +69,7 @@ def test_int4_falls_back_to_int8_where_the_kernel_cannot():
     kinds = {type(m).__name__ for m in model.modules()}
     assert {"Int4Linear", "Int8Linear", "Int8Embedding"} <= kinds
     assert 0 < report.int4_layers < report.layers
+    assert isinstance(model.lm_head, Int8Linear)       # the output layer keeps 8 bits
     assert "Linear" not in kinds and "Embedding" not in kinds
 
 
