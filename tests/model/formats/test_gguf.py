@@ -62,3 +62,29 @@ def test_not_gguf_is_refused(tmp_path):
     fake.write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="model.gguf could not be read as GGUF"):
         load_model(fake)
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_smollm2_loads_in_one_parse_and_quantises_without_losing_its_predictions(monkeypatch):
+    import copy
+
+    import gguf
+
+    from hyla.model.quantize import quantize_model
+
+    opened = []
+    original = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: opened.append(a) or original(*a, **k))
+    model, tok = load_model(GGUF)
+    assert len(opened) == 1                                # config, tensors, tokenizer: one read
+    assert gguf.GGUFReader is not original                 # the load put back what it patched
+    ids = torch.tensor([tok.encode("import os\n\ndef read_lines(path):\n    with open(path) as f:"
+                                   "\n        return f.read().splitlines()\n")])
+    with torch.no_grad():
+        ref = model(ids)[0]
+        for scheme in ("int8", "int4"):
+            q = copy.deepcopy(model)
+            quantize_model(q, scheme)
+            agree = (q(ids)[0].argmax(-1) == ref.argmax(-1)).float().mean().item()
+            assert agree >= 0.9, (scheme, agree)
