@@ -87,7 +87,7 @@ def run_mode(name, force, args, reqs, link_gbps):
         wall = time.perf_counter() - t
         view = httpx.get(f"{base}/cluster").json()
         pre = [w for w in view["workers"] if w["role"] == "prefill"][0]
-        info = httpx.get(pre["address"] + "/internal/info").json()
+        info = httpx.get(pre["address"] + "/internal/info", auth=cluster.auth).json()
     finally:
         cluster.stop()
     ttfts = [o["ttft"] for o in out if o["ok"]]

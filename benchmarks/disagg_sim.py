@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import pathlib
 import time
 
@@ -107,22 +108,34 @@ def rows_of(label, st):
 
 
 def plot(out: pathlib.Path, studies: dict) -> None:
+    """Throughput at capacity by deployment and study (bars, legend below them), then one
+    heatmap of PrfaaS goodput over (threshold, local prefill instances) a study; two rows."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 1 + len(studies), figsize=(5 * (1 + len(studies)), 4))
+    n = 1 + len(studies)
+    cols = 2
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(12, 4.6 * rows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
     names = ("homogeneous", "naive", "prfaas")
     w = 0.8 / len(studies)
+    bars = flat[0]
     for k, (label, st) in enumerate(studies.items()):
         ds = st["capacity"]["deployments"]
-        axes[0].bar([i + w * k for i in range(3)], [ds[n]["throughput_tok_s"] / 1e3
-                                                    for n in names], w, label=label)
-    axes[0].set_xticks([i + 0.4 - w / 2 for i in range(3)], names)
-    axes[0].set_ylabel("throughput at capacity (k tok/s)")
-    axes[0].legend(fontsize=7)
-    for ax, (label, st) in zip(axes[1:], studies.items(), strict=True):
+        bars.bar([i + w * k for i in range(3)], [ds[n]["throughput_tok_s"] / 1e3
+                                                 for n in names], w, label=label)
+    bars.set_xticks([i + 0.4 - w / 2 for i in range(3)], names)
+    bars.set_ylabel("throughput at capacity (k tok/s)")
+    bars.set_title("Each deployment at its capacity under the SLOs", fontsize=10)
+    # below the axes: inside, it covered the bars
+    bars.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=1,
+                frameon=False)
+    for ax, (label, st) in zip(flat[1:], studies.items(), strict=False):
         g = st["grid_prfaas"]
         ts = sorted({r["threshold"] for r in g})
         ns = sorted({r["local_prefill"] for r in g})
@@ -130,11 +143,14 @@ def plot(out: pathlib.Path, studies: dict) -> None:
                     and r["local_prefill"] == n), 0) for n in ns] for t in ts]
         im = ax.imshow(z, origin="lower", aspect="auto", cmap="viridis")
         ax.set_xticks(range(len(ns)), ns)
-        ax.set_yticks(range(len(ts)), [f"{t // 1000}K" for t in ts])
+        ax.set_yticks(range(len(ts)), [f"{t / 1000:g}K" for t in ts])
         ax.set_xlabel("local prefill instances (of 8)")
         ax.set_ylabel("threshold t (static)")
-        ax.set_title(f"PrfaaS goodput (req/s), {label}", fontsize=9)
+        ax.set_title("\n".join(textwrap.wrap(f"PrfaaS goodput (req/s): {label}", 48)),
+                     fontsize=10)
         fig.colorbar(im, ax=ax)
+    for ax in flat[n:]:
+        ax.axis("off")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
@@ -145,7 +161,14 @@ def main() -> None:
     ap.add_argument("--studies", default="published,calibrated,azure",
                     help="comma list of: published (datasheet MFU), calibrated (H200 MFU "
                          "fitted to the published naive/homogeneous ratio), azure (trace x8)")
+    ap.add_argument("--replot", default=None, metavar="JSON",
+                    help="only redraw the plot of an earlier run's JSON (next to it, .png)")
     args = ap.parse_args()
+    if args.replot:
+        src = pathlib.Path(args.replot)
+        plot(src.with_suffix(".png"), json.loads(src.read_text())["studies"])
+        print(f"wrote {src.with_suffix('.png')}")
+        return
     n = 200 if args.quick else 300
     ts = [12_000, 19_400, 28_000] if args.quick else [8_000, 12_000, 16_000, 19_400, 24_000,
                                                       32_000]

@@ -95,7 +95,8 @@ def live(reqs, args) -> dict:
         def serving_cpu_s() -> float:
             """CPU seconds of every process (router, workers, this client) minus the decode
             engine's steps: the serving path's CPU work."""
-            steps = httpx.get(f"{decode_url}/internal/info").json()["engine_stats"]
+            steps = httpx.get(f"{decode_url}/internal/info",
+                              auth=cluster.auth).json()["engine_stats"]
             return sum(map(_cpu_s, pids)) + time.process_time() - steps["step_time_s"]
 
         async def probe(client, n, sink, output_len=2):
@@ -126,7 +127,7 @@ def live(reqs, args) -> dict:
         remote_before, cpu = asyncio.run(replay())
         view = httpx.get(f"{base}/cluster").json()
         pre = [w for w in view["workers"] if w["role"] == "prefill"][0]
-        info = httpx.get(pre["address"] + "/internal/info").json()
+        info = httpx.get(pre["address"] + "/internal/info", auth=cluster.auth).json()
     finally:
         cluster.stop()
     done = [o for o in out if o["ok"]]

@@ -19,6 +19,10 @@ from typing import Any
 import torch
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+REPO_ROOT = RESULTS_DIR.parent.parent
+# where machine-specific paths start (URL paths such as /v1/completions do not)
+_MACHINE_ROOTS = ("/tmp/", "/home/", "/root/", "/work/", "/Users/", "/var/", "/mnt/",
+                  "/private/", "/scratch/", "/data/")
 
 
 def _cpu_model() -> str:
@@ -147,11 +151,36 @@ def write_results(name: str, rows: list[dict], *, results_dir: str | os.PathLike
     out_dir = pathlib.Path(results_dir) if results_dir is not None else RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
-    payload = {"machine": machine_info(),
-               "date": datetime.now(UTC).isoformat(timespec="seconds"),
-               "rows": rows, **extra}
+    payload = without_machine_paths({"machine": machine_info(),
+                                     "date": datetime.now(UTC).isoformat(timespec="seconds"),
+                                     "rows": rows, **extra})
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
     return path
+
+
+def without_machine_paths(value: Any) -> Any:
+    """``value`` with every absolute path of this machine made relative: to the repository
+    when inside it, else to its last part (results are published; home folders, temporary
+    folders and user names are not theirs to carry).
+
+    Example:
+        >>> without_machine_paths({"work": "/tmp/run1", "n": [1, "/home/u/x/trace.csv"]})
+        {'work': 'run1', 'n': [1, 'trace.csv']}
+    """
+    if isinstance(value, dict):
+        return {k: without_machine_paths(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [without_machine_paths(v) for v in value]
+    if isinstance(value, pathlib.PurePath):
+        value = str(value)
+    if isinstance(value, str) and value.startswith(_MACHINE_ROOTS + (str(REPO_ROOT),)) \
+            and "\n" not in value and len(value) < 4096:
+        path = pathlib.Path(value)
+        try:
+            return str(path.relative_to(REPO_ROOT))
+        except ValueError:
+            return path.name
+    return value
 
 
 def _fmt(value: Any) -> str:

@@ -137,7 +137,7 @@ def test_eval_ppl_and_needle_on_a_checkpoint(tmp_path, capsys):
     (["serve", "--preset", "debug", "--compile", "--eager"], "not allowed with"),
     (["serve", "--preset", "debug", "--max-num-seqs", "0"], "positive"),
     (["serve", "--preset", "debug", "--port", "70000"], "port"),
-    (["serve", "--checkpoint", "/nonexistent/ckpt"], "not a directory"),
+    (["serve", "--checkpoint", "/nonexistent/ckpt"], "not found: /nonexistent/ckpt"),
 ], ids=["two-sources", "compile-eager", "seqs", "port", "checkpoint"])
 def test_serve_bad_args(capsys, argv, needle):
     code, out, err = run(capsys, *argv)

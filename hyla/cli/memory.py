@@ -20,7 +20,13 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from hyla.cli.common import DEFAULT_BUDGET_GIB, format_bytes, memory_table, published_line
+from hyla.cli.common import (
+    DEFAULT_BUDGET_GIB,
+    PRESETS_HELP,
+    format_bytes,
+    memory_table,
+    published_line,
+)
 
 
 def add_memory(sub) -> argparse.ArgumentParser:
@@ -35,7 +41,7 @@ def add_memory(sub) -> argparse.ArgumentParser:
 
     p = sub.add_parser("memory", help="per-sequence state of a hybrid vs an all-attention KV cache")
     which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--preset", help="debug, small, laplace-3b")
+    which.add_argument("--preset", help=PRESETS_HELP)
     which.add_argument("--checkpoint", metavar="DIR|CONFIG.json",
                        help="a model directory (hyla, transformers, fla) or its config.json: "
                             "only the config is read, the model is sized on the meta device")

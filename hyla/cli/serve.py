@@ -20,24 +20,36 @@ import sys
 from rich.console import Console
 
 from hyla.cli.common import (
+    PRESETS_HELP,
     QUICKSTART_DIR,
     SOURCE_HELP,
+    add_allow_nonfinite,
     add_sampling,
+    format_bytes,
     generate_text,
     load_model,
     positive,
+    positive_float,
     random_model,
+    speed_line,
     torch_threads,
 )
+from hyla.cli.model_flags import add_kv_cache_memory, add_quantize, apply_quantize
 
 
 def add_generate(sub) -> argparse.ArgumentParser:
     """Register ``hyla generate`` on the ``hyla`` sub-parser set."""
     p = sub.add_parser("generate", help="sample text from a checkpoint or a random preset")
-    p.add_argument("--preset", default=None, help="random weights of this preset")
+    p.add_argument("--preset", default=None,
+                   help=f"random weights of this preset ({PRESETS_HELP}; testing)")
     p.add_argument("--checkpoint", default=None, help=SOURCE_HELP)
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="the text to continue (no chat template: "
+                   "hyla chat applies the model's)")
     add_sampling(p, 64, None)
+    p.add_argument("--quiet", action="store_true",
+                   help="no speed line on stderr (load time, prompt and decode tok/s)")
+    add_allow_nonfinite(p)
+    add_quantize(p)
     p.set_defaults(func=cmd_generate)
     return p
 
@@ -51,10 +63,11 @@ def add_serve(sub) -> argparse.ArgumentParser:
                      help=f"{SOURCE_HELP} (default: {QUICKSTART_DIR}, trained first if "
                           "missing)")
     src.add_argument("--preset", default=None,
-                     help="random weights of this preset with the byte tokenizer (testing)")
+                     help=f"random weights of this preset with the byte tokenizer "
+                          f"({PRESETS_HELP}; testing)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--model-name", default=None,
                    help="the name clients pass as `model` (default: the checkpoint folder's "
                         "name, or hyla-<preset>)")
@@ -63,6 +76,19 @@ def add_serve(sub) -> argparse.ArgumentParser:
                         "KEY read from PATH (default: $HYLA_API_KEY, or no key). Never on "
                         "the command line: ps shows it to every user")
     p.add_argument("--api-key", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--header-timeout", type=positive_float, default=30.0,
+                   help="seconds a connection has to send a request's headers, from its "
+                        "opening or its previous response; then it is closed "
+                        "(default: %(default)s)")
+    p.add_argument("--body-timeout", type=positive_float, default=30.0,
+                   help="seconds a request's body has to arrive after its headers (408 "
+                        "and close after; default: %(default)s)")
+    p.add_argument("--keep-alive-timeout", type=positive_float, default=5.0,
+                   help="seconds an idle connection stays open between requests "
+                        "(default: %(default)s)")
+    p.add_argument("--max-connections", type=positive, default=1024,
+                   help="open connections at most; one more gets a 503 and is closed "
+                        "(default: %(default)s)")
     p.add_argument("--max-body-bytes", type=positive, default=4 << 20,
                    help="largest request body accepted (413 above; default 4 MiB)")
     p.add_argument("--max-num-seqs", type=positive, default=16,
@@ -73,7 +99,8 @@ def add_serve(sub) -> argparse.ArgumentParser:
                    help="tokens computed per engine step (prefill chunk budget)")
     p.add_argument("--max-waiting", type=positive, default=256,
                    help="queued requests before new ones get 429")
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="turn off the prefix cache (shared KV blocks, GLA state snapshots)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--compile", action="store_true",
                       help="torch.compile the decode step (default: eager)")
@@ -87,8 +114,11 @@ def add_serve(sub) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0, help="weights seed for --preset")
-    p.add_argument("--log-level", default="info",
+    p.add_argument("--log-level", default="info", help="uvicorn's log level",
                    choices=["critical", "error", "warning", "info", "debug"])
+    add_allow_nonfinite(p)
+    add_quantize(p)
+    add_kv_cache_memory(p)
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -100,17 +130,28 @@ def cmd_generate(args: argparse.Namespace, out: Console) -> int:
     if (args.preset is None) == (args.checkpoint is None):
         raise ValueError("generate needs exactly one of --preset P (random weights) or "
                          "--checkpoint SOURCE")
+    import time
+
+    from hyla.model.stream import StreamTiming
+
+    start = time.perf_counter()
     if args.checkpoint is not None:
         from hyla.model.load import load_model as load_source
 
         model, tok = load_source(args.checkpoint)
     else:
         model, tok = random_model(args.preset, args.seed)
+    apply_quantize(model, args)
+    load_s, timing = time.perf_counter() - start, StreamTiming()
     with torch_threads(args.threads):
-        text = generate_text(model, tok, args.prompt, args)
+        text = generate_text(model, tok, args.prompt, args, timing)
     if args.checkpoint is None:
         out.print("[dim](random weights: the text is noise until a checkpoint is loaded)[/]")
     sys.stdout.write(args.prompt + text + "\n")
+    sys.stdout.flush()
+    if not args.quiet:
+        Console(stderr=True, soft_wrap=True).print(f"[dim]{speed_line(load_s, timing)}[/]",
+                                                   highlight=False)
     return 0
 
 
@@ -136,6 +177,7 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
     from hyla.serve.api import create_app
     from hyla.serve.async_engine import AsyncEngine
     from hyla.serve.engine import Engine, EngineConfig
+    from hyla.serve.http_guard import ServerLimits, server_config
     from hyla.serve.sequence import SamplingParams
 
     if not 0 < args.port < 65536:
@@ -144,12 +186,16 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, tok, name = load_model(args, out)
-    model = model.to(serve_dtype(args.dtype, model.embed.weight))
+    model = apply_quantize(model.to(serve_dtype(args.dtype, model.anchor)), args, out)
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=not args.no_prefix_caching,
+                          kv_cache_memory=args.kv_cache_memory,
                           compile=args.compile, cuda_graphs=args.cuda_graphs)
     engine = Engine(model, tok, config)
+    if engine.kv_cache_bytes:
+        out.print(f"KV cache: {engine.scheduler.config.num_kv_blocks} blocks of "
+                  f"{config.block_size} tokens, {format_bytes(engine.kv_cache_bytes)} reserved")
     if args.compile or args.cuda_graphs:
         # Every decode shape compiled (captured) now, so no request ever waits on it.
         built = engine.warmup()
@@ -168,14 +214,17 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
             server[0].should_exit = True
     async_engine = AsyncEngine(engine, max_waiting=args.max_waiting, on_dead=on_dead)
     name = args.model_name or name
-    app = create_app(async_engine, model_name=name, api_key=key,
+    limits = ServerLimits(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                          keep_alive_timeout=args.keep_alive_timeout,
+                          max_connections=args.max_connections)
+    app = create_app(async_engine, model_name=name, api_key=key, body_timeout=limits.body_timeout,
                      max_body_bytes=args.max_body_bytes)
     base = f"http://{args.host}:{args.port}"
     out.print(f"Serving [bold]{name}[/] on {base}/v1 (max {args.max_num_seqs} sequences, "
               f"context {args.max_model_len}, {'compiled' if args.compile else 'eager'} "
               f"decode on {next(model.parameters()).device}); metrics at {base}/metrics")
-    server.append(uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level,
+    server.append(uvicorn.Server(server_config(
+        app, args.host, args.port, limits, log_level=args.log_level,
         timeout_graceful_shutdown=3)))
     try:
         server[0].run()

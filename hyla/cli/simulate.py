@@ -22,7 +22,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from hyla.cli.common import positive_float
+from hyla.cli.common import PRESETS_HELP, positive_float
 
 
 def add_simulate(sub) -> argparse.ArgumentParser:
@@ -69,7 +69,9 @@ def add_simulate(sub) -> argparse.ArgumentParser:
                         "offload these fractions of the requests (default 0.1,0.25,0.5,0.75)")
     p.add_argument("--rel-tol", type=positive_float, default=0.02,
                    help="capacity bisection stops at hi/lo <= 1 + this (default 0.02)")
-    p.add_argument("--deployments", default="homogeneous,naive,prfaas")
+    p.add_argument("--deployments", default="homogeneous,naive,prfaas",
+                   help="comma-separated, of homogeneous (PD on one cluster), naive "
+                        "(heterogeneous: every prefill remote) and prfaas (long prompts remote)")
     p.add_argument("--threshold", type=int, default=19_400,
                    help="PrfaaS t at a fixed --rate or with --no-search; otherwise the "
                         "'configured' alternative (tokens)")
@@ -78,10 +80,11 @@ def add_simulate(sub) -> argparse.ArgumentParser:
                    help="prefill instances of the 12 in homogeneous PD (default: grid's best)")
     p.add_argument("--prfaas-prefill", type=int, default=3,
                    help="local prefill instances of the 8 in PrfaaS (default: grid's best)")
-    p.add_argument("--link-gbps", type=positive_float, default=100.0)
+    p.add_argument("--link-gbps", type=positive_float, default=100.0,
+                   help="the inter-cluster link's bandwidth, Gbps")
     p.add_argument("--h200-mfu", type=positive_float, default=0.45,
                    help="achieved prefill MFU of the H200 cluster (default 0.45, as the H20s; "
-                        "--fit-h200-mfu fits it to a published ratio, see README)")
+                        "--fit-h200-mfu fits it to a published ratio, see docs/prfaas.md)")
     p.add_argument("--fit-h200-mfu", type=positive_float, default=None, metavar="RATIO",
                    help="capacity search: first fit the H200 MFU so that naive heterogeneous "
                         "serves RATIO times homogeneous PD at its best split (mean over the "
@@ -107,10 +110,12 @@ def add_profile(sub) -> argparse.ArgumentParser:
     """Register ``hyla profile`` on the ``hyla`` sub-parser set."""
     p = sub.add_parser("profile", help="measure this machine's engine step costs (prefill "
                        "fixed cost and speed, decode by width and context) for hyla simulate")
-    p.add_argument("--preset", default="debug", help="model preset (random weights)")
+    p.add_argument("--preset", default="debug",
+                   help=f"model preset, random weights ({PRESETS_HELP})")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
-    p.add_argument("--json", required=True, metavar="OUT")
+    p.add_argument("--json", required=True, metavar="OUT",
+                   help="where to write the profile (what hyla simulate --profile reads)")
     p.set_defaults(func=cmd_profile)
     return p
 
@@ -119,8 +124,10 @@ def add_kv_table(sub) -> argparse.ArgumentParser:
     """Register ``hyla kv-table`` on the ``hyla`` sub-parser set."""
     p = sub.add_parser("kv-table", help="Gbps of state/KV a prefill instance emits at 32K "
                        "tokens: dense vs 3:1 vs 7:1 hybrids")
-    p.add_argument("--tokens", type=int, default=32_768)
-    p.add_argument("--json", default=None, metavar="OUT")
+    p.add_argument("--tokens", type=int, default=32_768,
+                   help="prompt length the rates are computed at")
+    p.add_argument("--json", default=None, metavar="OUT",
+                   help="also write the table as JSON to OUT (default: table only)")
     p.set_defaults(func=cmd_kv_table)
     return p
 
@@ -327,19 +334,71 @@ def cmd_profile(args: argparse.Namespace, out: Console) -> int:
     return 0
 
 
-def results_table(res: dict, title: str) -> Table:
-    table = Table(title=title)
+# Below this many columns the tables take their compact form (short names, the intervals on
+# a second line); a wider terminal gets every figure on one line.
+WIDE_COLUMNS = 130
+
+
+def _table(title: str, wide: bool) -> Table:
+    if wide:
+        return Table(title=title)
+    from rich import box
+
+    return Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1))
+
+
+def _k(t: int | None) -> str:
+    """A threshold in tokens, short: 19,400 -> '19.4K'.
+
+    Example:
+        >>> _k(19400), _k(20000), _k(512), _k(None)
+        ('19.4K', '20K', '512', '-')
+    """
+    if t is None:
+        return "-"
+    return f"{t / 1000:.3g}K" if t >= 1000 else str(t)
+
+
+def _short_choice(label: str) -> str:
+    """'t=20,000, 7 prefill' -> 't=20K\\n7 prefill' (two lines, short).
+
+    Example:
+        >>> _short_choice("t=inf (all local), 7 prefill (3 of 5 seeds)").split("\\n")
+        ['t=inf', '7 prefill (3/5 seeds)']
+    """
+    import re
+
+    label = re.sub(r"t=(\d{1,3}(?:,\d{3})+|\d+)",
+                   lambda m: "t=" + _k(int(m.group(1).replace(",", ""))), label)
+    label = label.replace(" (all remote)", "").replace(" (all local)", "")
+    label = re.sub(r" \((\d+) of (\d+) seeds\)", r" (\1/\2 seeds)", label)
+    return label.replace(", ", "\n")
+
+
+def results_table(res: dict, title: str, wide: bool = True) -> Table:
+    """``hyla simulate --rate``'s table; ``wide=False``: fits 80 columns (units in the
+    headers, goodput in --json and the wide table only)."""
+    table = _table(title, wide)
     cols = ("deployment", "rate req/s", "throughput tok/s", "goodput req/s", "TTFT p50",
-            "TTFT p90", "TPOT p90", "egress Gbps", "offload", "t final")
+            "TTFT p90", "TPOT p90", "egress Gbps", "offload", "t final") if wide else \
+        ("deployment", "rate\nreq/s", "output\ntok/s", "TTFT\np50 s", "TTFT\np90 s",
+         "TPOT\np90 ms", "Gbps\nout", "off-\nload", "t\nfinal")
     for c in cols:
-        table.add_column(c, justify="right")
+        table.add_column(c, justify="left" if c.startswith("dep") else "right",
+                         no_wrap=not wide)
     for name, m in res["deployments"].items():
         t = m.get("threshold_final")
-        table.add_row(name, f"{m.get('capacity_req_s', m.get('rate_req_s')):.2f}",
-                      f"{m['throughput_tok_s']:,.0f}", f"{m['goodput_req_s']:.2f}",
-                      f"{m['ttft_p50_s']:.2f} s", f"{m['ttft_p90_s']:.2f} s",
-                      f"{m['tpot_p90_s'] * 1e3:.1f} ms", f"{m['egress_gbps']:.1f}",
-                      f"{m['offload_fraction']:.0%}", "-" if t is None else f"{t:,}")
+        rate = f"{m.get('capacity_req_s', m.get('rate_req_s')):.2f}"
+        if wide:
+            table.add_row(name, rate, f"{m['throughput_tok_s']:,.0f}",
+                          f"{m['goodput_req_s']:.2f}", f"{m['ttft_p50_s']:.2f} s",
+                          f"{m['ttft_p90_s']:.2f} s", f"{m['tpot_p90_s'] * 1e3:.1f} ms",
+                          f"{m['egress_gbps']:.1f}", f"{m['offload_fraction']:.0%}",
+                          "-" if t is None else f"{t:,}")
+        else:
+            table.add_row(name, rate, f"{m['throughput_tok_s']:,.0f}", f"{m['ttft_p50_s']:.2f}",
+                          f"{m['ttft_p90_s']:.2f}", f"{m['tpot_p90_s'] * 1e3:.1f}",
+                          f"{m['egress_gbps']:.1f}", f"{m['offload_fraction']:.0%}", _k(t))
     return table
 
 
@@ -349,34 +408,58 @@ def _iv(iv: dict, unit: str = "") -> str:
     return f"{iv['mean']:.3g}{unit} +- {iv['half']:.2g} ({iv['rel_half']:.1%})"
 
 
+def _iv2(iv: dict) -> str:
+    """The mean, and the 95% interval's half-width on a second, dim line."""
+    if iv["half"] is None:
+        return f"{iv['mean']:.3g}"
+    return f"{iv['mean']:.3g}\n[dim]+-{iv['rel_half']:.1%}[/]"
+
+
 def _modal(labels: list) -> str:
     best = max(set(labels), key=labels.count)
     return best if labels.count(best) == len(labels) else \
         f"{best} ({labels.count(best)} of {len(labels)} seeds)"
 
 
-def capacity_table(res: dict, title: str) -> Table:
+def capacity_table(res: dict, title: str, wide: bool = True) -> Table:
     """Each deployment's capacity (mean, 95% interval over seeds) and, for PrfaaS, the
-    policy's choice beside the alternatives of its space."""
-    table = Table(title=title)
-    for c in ("deployment", "capacity req/s (95%)", "configuration", "TTFT p90",
-              "TPOT p90", "egress Gbps", "offload", "t final"):
-        table.add_column(c, justify="right")
+    policy's choice beside the alternatives of its space. ``wide=False``: fits 80 columns
+    (short names, the interval under the mean)."""
+    table = _table(title, wide)
+    cols = ("deployment", "capacity req/s (95%)", "configuration", "TTFT p90", "TPOT p90",
+            "egress Gbps", "offload", "t final") if wide else \
+        ("deployment", "req/s\n[dim](95%)[/]", "config", "TTFT\np90", "TPOT\np90",
+         "Gbps\nout", "off-\nload", "t\nfinal")
+    for c in cols:
+        table.add_column(c, justify="left" if c.startswith("dep") else "right",
+                         no_wrap=not wide)
 
     def first(e):
         m = e["per_seed"][0]["metrics"]
-        return (f"{m['ttft_p90_s']:.2f} s" if m.get("ttft_p90_s") is not None else "-",
+        t = m.get("threshold_final")
+        return (f"{m['ttft_p90_s']:.{2 if wide else 3}{'f' if wide else 'g'}} s"
+                if m.get("ttft_p90_s") is not None else "-",
                 f"{m['tpot_p90_s'] * 1e3:.1f} ms" if m.get("tpot_p90_s") is not None else "-",
                 f"{m['egress_gbps']:.1f}" if m.get("egress_gbps") is not None else "-",
                 f"{m['offload_fraction']:.0%}" if m.get("offload_fraction") is not None
-                else "-", f"{m['threshold_final']:,}" if m.get("threshold_final") is not None
-                else "-")
+                else "-", (f"{t:,}" if wide else _k(t)) if t is not None else "-")
     for name, e in res["deployments"].items():
-        label = "prfaas (policy's choice)" if name == "prfaas" else name
-        table.add_row(label, _iv(e["capacity"]), _modal(e["choice"]), *first(e))
+        if wide:
+            label = "prfaas (policy's choice)" if name == "prfaas" else name
+            table.add_row(label, _iv(e["capacity"]), _modal(e["choice"]), *first(e))
+        else:
+            label = "prfaas*" if name == "prfaas" else name
+            table.add_row(label, _iv2(e["capacity"]), _short_choice(_modal(e["choice"])),
+                          *first(e))
         for fam, iv in e.get("alternatives", {}).items():
-            table.add_row(f"  prfaas: {fam}", _iv(iv),
-                          _modal(e["alternative_choices"][fam]), "", "", "", "", "")
+            choice = _modal(e["alternative_choices"][fam])
+            if wide:
+                table.add_row(f"  prfaas: {fam}", _iv(iv), choice, "", "", "", "", "")
+            else:
+                table.add_row(f"  {fam}", _iv2(iv), _short_choice(choice), "", "", "", "", "")
+    if not wide:
+        table.caption = ("prfaas*: the policy's choice, the alternatives it weighed below it; "
+                         "+-: 95% interval over the seeds (all figures: --json)")
     return table
 
 
@@ -389,7 +472,8 @@ def cmd_simulate(args: argparse.Namespace, out: Console) -> int:
         return 0
     res = run_simulate(args, progress=lambda n: out.print(f"[dim]{n}...[/]"))
     if res["mode"] == "fixed rate":
-        out.print(results_table(res, f"{res['setup']} setup, {res['mode']}"))
+        out.print(results_table(res, f"{res['setup']} setup, {res['mode']}",
+                                wide=out.width >= WIDE_COLUMNS))
         for k, v in res["ratios"].items():
             out.print(f"{k.replace('_', ' ')}: [bold]{v:.2f}x[/] throughput")
     else:
@@ -400,7 +484,8 @@ def cmd_simulate(args: argparse.Namespace, out: Console) -> int:
                       f"naive / homogeneous is {_iv(c['ratio'], 'x')} (target "
                       f"{c['target']:g}x; {len(c['steps'])} bisection steps)")
         out.print(capacity_table(res, f"{res['setup']} setup, capacity under SLOs, {n} "
-                                 f"seed{'s' * (n > 1)} (metrics: seed {res['seeds'][0]})"))
+                                 f"seed{'s' * (n > 1)} (metrics: seed {res['seeds'][0]})",
+                                 wide=out.width >= WIDE_COLUMNS))
         for k, v in res["ratios"].items():
             out.print(f"{k.replace('_', ' ')}: [bold]{_iv(v, 'x')}[/] capacity "
                       f"(per-seed ratios, same arrivals)")

@@ -14,13 +14,17 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import time
 
 from rich.console import Console
 
 from hyla.cli.common import (
     DEFAULT_BUDGET_GIB,
+    PRESETS_HELP,
     add_sampling,
+    all_cores,
     format_bytes,
+    format_seconds,
     generate_text,
     memory_table,
     positive,
@@ -41,10 +45,12 @@ from hyla.train.config import (
 def add_quickstart(sub) -> argparse.ArgumentParser:
     """Register ``hyla quickstart`` on the ``hyla`` sub-parser set."""
     p = sub.add_parser("quickstart", help="state accounting, a short training run, a sample")
-    p.add_argument("--preset", default="small")
-    p.add_argument("--steps", type=positive, default=120)
-    p.add_argument("--out", default="runs/quickstart")
-    add_sampling(p, 48, 1)
+    p.add_argument("--preset", default="small", help=f"model size ({PRESETS_HELP})")
+    p.add_argument("--steps", type=positive, default=120, help="optimizer steps")
+    p.add_argument("--out", default="runs/quickstart",
+                   help="run directory (checkpoints, metrics.jsonl, loss.png)")
+    add_sampling(p, 48, all_cores(), threads_help="torch CPU threads for training and "
+                 "sampling (default: every core, $OMP_NUM_THREADS if set: %(default)s here)")
     p.set_defaults(func=cmd_quickstart)
     return p
 
@@ -67,6 +73,7 @@ HELP = {
     "token_skipping": "fomoe: drop (token, expert) pairs routed to experts held elsewhere",
     "sync_timeout": "seconds a collective may wait before a silent rank is named",
     "device": "cpu, or cuda (each rank on cuda:LOCAL_RANK)",
+    "preset": f"model size ({PRESETS_HELP})",
 }
 
 
@@ -88,7 +95,8 @@ def add_train(sub) -> argparse.ArgumentParser:
             p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue the run in DIR from its newest checkpoint")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (logs and CI); metrics.jsonl is written either way")
     p.set_defaults(func=cmd_train)
     return p
 
@@ -96,7 +104,8 @@ def add_train(sub) -> argparse.ArgumentParser:
 def add_plot(sub) -> argparse.ArgumentParser:
     """Register ``hyla plot`` on the ``hyla`` sub-parser set."""
     p = sub.add_parser("plot", help="write a run's loss curves as PNG")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="a training run's directory (its metrics.jsonl); the "
+                   "plot is written there as loss.png")
     p.set_defaults(func=cmd_plot)
     return p
 
@@ -107,7 +116,7 @@ def add_tokenizer(sub) -> argparse.ArgumentParser:
     tsub = p.add_subparsers(dest="tokenizer_command", required=True, parser_class=p.__class__)
     t = tsub.add_parser("train", help="train a byte-level BPE on a corpus")
     t.add_argument("--data", default=None, help="corpus (default: the stdlib corpus)")
-    t.add_argument("--vocab-size", type=int, default=8192)
+    t.add_argument("--vocab-size", type=int, default=8192, help="tokens in the vocabulary")
     t.add_argument("--documents", type=int, default=2000, help="documents to learn from")
     t.add_argument("--out", required=True, help="directory for tokenizer.json")
     t.set_defaults(func=cmd_tokenizer_train)
@@ -139,6 +148,7 @@ def serve_hint(checkpoint: str, name: str, port: int = 8000) -> str:
 def cmd_quickstart(args: argparse.Namespace, out: Console) -> int:
     from hyla.eval.memory import memory_report
 
+    start = time.perf_counter()
     out.rule("hyla quickstart")
     small = memory_report("small", 8192, budget_gib=DEFAULT_BUDGET_GIB)
     out.print(f"Preset [bold]small[/]: layers {small['layers']}, "
@@ -153,7 +163,8 @@ def cmd_quickstart(args: argparse.Namespace, out: Console) -> int:
         out.print(line)
     from hyla.model.formats.checkpoint import load_checkpoint
 
-    ckpt = train_quickstart(out, preset=args.preset, steps=args.steps, out_dir=args.out)
+    ckpt = train_quickstart(out, preset=args.preset, steps=args.steps, out_dir=args.out,
+                            threads=args.threads)
     model, tok = load_checkpoint(ckpt)
     prompt = "def fibonacci(n):\n    "
     with torch_threads(args.threads):
@@ -162,6 +173,10 @@ def cmd_quickstart(args: argparse.Namespace, out: Console) -> int:
     out.print(prompt + text, markup=False, highlight=False)
     out.print(serve_hint(ckpt, pathlib.Path(ckpt).resolve().name), markup=False,
               highlight=False, soft_wrap=True)     # no wrapping: the lines are to copy
+    out.print("Chat with a real model: hyla chat --checkpoint smollm2 (hyla models)",
+              markup=False, highlight=False, soft_wrap=True)
+    out.print(f"[bold]hyla quickstart took {format_seconds(time.perf_counter() - start)}[/] "
+              f"(loss curves: hyla plot {ckpt})")
     return 0
 
 

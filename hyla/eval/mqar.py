@@ -12,7 +12,9 @@ the value that was paired with that key, so a next-token model must recall it. Z
 generator (``zoology/data/associative_recall.py``, ``multiquery_ar``) is followed: the queried
 key sits on an even offset ``2 * gap`` of the query region, gaps are distinct draws with
 probability ``a * gap ** (a - 1)`` (``power_a = 0.01``), and filler is uniform over the whole
-vocabulary (so a filler may equal a key; it is never labelled).
+vocabulary (so a filler may equal a key; it is never labelled), or token 0 everywhere with
+``random_filler=False`` (Zoology's ``random_non_queries=False``): then only the pairs write
+into a recurrent state, and what it holds is measured without the noise of filler writes.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def _distinct(rng: np.random.Generator, n: int, low: int, high: int, k: int) -> 
 
 
 def mqar(num_examples: int, seq_len: int, num_kv_pairs: int, vocab_size: int, *,
-         seed: int = 0, power_a: float = 0.01) -> MQARBatch:
+         seed: int = 0, power_a: float = 0.01, random_filler: bool = True) -> MQARBatch:
     """Generate ``num_examples`` MQAR sequences (deterministic for a given ``seed``).
 
     Example:
@@ -90,6 +92,8 @@ def mqar(num_examples: int, seq_len: int, num_kv_pairs: int, vocab_size: int, *,
     logp = (power_a - 1) * np.log(np.arange(1, space + 1))
     gaps = np.argsort(-(logp + rng.gumbel(size=(n, space))), axis=1)[:, :p]
     inputs = rng.integers(0, vocab_size, size=(n, seq_len))   # filler everywhere first
+    if not random_filler:
+        inputs[:] = 0
     inputs[:, 0:context:2] = keys
     inputs[:, 1:context:2] = values
     # The queries ask the keys in pair order, at their own random gaps: key i at gap i.

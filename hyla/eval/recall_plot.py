@@ -1,4 +1,8 @@
-"""Plots and files for the MQAR recall results: accuracy vs load and accuracy vs state bytes."""
+"""Plots and files for the recall results (MQAR and text): accuracy vs load and vs state bytes.
+
+Each curve's legend states the state it recalls from: one size for a fixed state, the
+range over the test lengths for a growing one (attention keys and values).
+"""
 
 from __future__ import annotations
 
@@ -6,14 +10,47 @@ import json
 import pathlib
 from collections.abc import Sequence
 
-MARKERS = {"GG": "o", "GA": "s", "AA": "^", "DD": "D", "DA": "v"}
+MARKERS = {"GG": "o", "GA": "s", "AA": "^", "DD": "D", "DA": "v", "KK": "P", "KA": "X"}
 
 
 def _by_mixer(records: Sequence[dict]) -> dict[str, list[dict]]:
+    """One curve per mixer (and per kind of context, for text recall)."""
     groups: dict[str, list[dict]] = {}
     for r in records:
-        groups.setdefault(r["mixer"], []).append(r)
+        key = r["mixer"] + (f" ({r['context']} context)" if "context" in r else "")
+        groups.setdefault(key, []).append(r)
     return groups
+
+
+def _kb(n: float) -> str:
+    return f"{n / 1024:.0f} KiB" if n >= 10 * 1024 else f"{n / 1024:.1f} KiB"
+
+
+def state_label(rows: Sequence[dict]) -> str:
+    """The state of a curve: one size when it is fixed, the range when it grows.
+
+    Example:
+        >>> state_label([{"state_bytes": 17920}, {"state_bytes": 17920}])
+        'state 18 KiB'
+        >>> state_label([{"state_bytes": 4096}, {"state_bytes": 65536}])
+        'state 4.0 KiB-64 KiB'
+    """
+    sizes = [r["state_bytes"] for r in rows if "state_bytes" in r]
+    if not sizes:
+        return "state ?"
+    lo, hi = min(sizes), max(sizes)
+    return f"state {_kb(lo)}" if lo == hi else f"state {_kb(lo)}-{_kb(hi)}"
+
+
+def curve_label(key: str, rows: Sequence[dict]) -> str:
+    """Legend text: the mixer, what it is, its learning rate (synthetic), its state."""
+    first = rows[0]
+    parts = [first.get("description", key) if "context" in first else
+             f"{key}: {first.get('description', key)}"]
+    if "lr" in first:
+        parts.append(f"lr {first['lr']:g}")
+    parts.append(state_label(rows))
+    return f"{parts[0]} ({', '.join(parts[1:])})"
 
 
 def plot_recall(records: Sequence[dict], out_dir: str | pathlib.Path,
@@ -45,8 +82,8 @@ def plot_recall(records: Sequence[dict], out_dir: str | pathlib.Path,
             rows = sorted(rows, key=lambda r: (r[key], r["seq_len"]))
             ax.plot([r[key] for r in rows], [r["accuracy"] for r in rows],
                     marker=MARKERS.get(layers, "x"),
-                    label=f"{layers}: {rows[0].get('description', layers)} "
-                          f"(lr {rows[0]['lr']:g})")
+                    ls="--" if rows[0].get("context") == "fixed" else "-",
+                    label=curve_label(layers, rows))
         ax.set_xscale("log", base=2)
         ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel(xlabel)

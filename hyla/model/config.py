@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from hyla.model.config_fields import MAX_LAYERS, check_fields  # noqa: F401 - re-exported
 from hyla.model.ffn import FFNS
 from hyla.model.layers import check_rope_scaling
 from hyla.model.mixers import MIXERS
@@ -79,6 +80,7 @@ class HylaConfig:
     hf_extras: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        check_fields(self.__dict__, {f.name: f.type for f in dataclasses.fields(self)})
         for name in ("vocab_size", "d_model", "n_heads", "ffn_dim", "gate_low_rank_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -10,8 +10,12 @@ A source is any of:
   :mod:`hyla.model.formats.fla`;
 - a ``.gguf`` file, dequantised to the requested dtype: :mod:`hyla.model.formats.gguf`
   (needs the ``hyla[gguf]`` extra);
+- a model name from :mod:`hyla.model.names` (``smollm2``: a file shipped in a Python
+  package; ``hyla models`` lists them);
 - a Hugging Face hub id (``org/name``, or ``org/name/file.gguf``), fetched through
-  ``huggingface_hub`` into its cache, then loaded as the directory or file it is.
+  ``huggingface_hub`` into its cache, then loaded as the directory or file it is. A source is
+  taken for a hub id only when it looks like one and is no local path: ``./x/y``, ``/x/y`` and
+  ``runs/x`` (where ``runs/`` exists) are paths, and a missing path is "not found: PATH".
 
 Every ``--checkpoint`` / ``--teacher`` flag of the CLI goes through here.
 """
@@ -25,7 +29,9 @@ import re
 
 import torch
 
+from hyla.model.finite import finite_weights
 from hyla.model.formats.checkpoint import CONFIG, latest_checkpoint
+from hyla.model.names import lookup, resolve_name
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(/[\w.-]+\.gguf)?$")
 # What a model directory needs from the hub: no pickles, no other formats' weights.
@@ -33,6 +39,7 @@ _FLA_MODEL_TYPE = "gla"     # flash-linear-attention's GLAConfig.model_type
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
 
 
+@finite_weights     # NaN/inf weights refused, naming the tensor (allow_nonfinite=True: load)
 def load_model(source: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu"):
     """(HylaLM in eval mode, tokenizer) from any source (see the module docstring).
@@ -95,28 +102,49 @@ def model_name(source: str | os.PathLike) -> str:
     path = pathlib.Path(text)
     if path.suffix == ".gguf":
         return path.stem
+    if not path.exists() and (entry := lookup(text)) is not None:
+        return entry.name
     if not path.exists() and _HUB_ID.match(text):
         return text.split("/")[1]
     return path.resolve().name
 
 
 def resolve_source(source: str | os.PathLike) -> pathlib.Path:
-    """A local path for ``source``: itself when it exists, else the hub snapshot of a hub id.
+    """A local path for ``source``: itself when it exists, the file of a model name, else the
+    hub snapshot of a hub id.
 
     Example:
         >>> resolve_source("/no/such/dir")   # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: model source '/no/such/dir' is not a directory, a .gguf file or a ...
+        ValueError: not found: /no/such/dir (no such file or directory; ...
     """
     text = os.fspath(source)
-    path = pathlib.Path(text)
+    path = pathlib.Path(text).expanduser()
     if path.exists():
         return path
-    if not _HUB_ID.match(text) or text.startswith((".", "~")):
-        raise ValueError(f"model source {text!r} is not a directory, a .gguf file or a "
-                         f"Hugging Face hub id (org/name)")
+    named = resolve_name(text)
+    if named is not None:
+        return named
+    if not looks_like_hub_id(text):
+        raise ValueError(f"not found: {text} (no such file or directory; a model source is a "
+                         f"local path, a model name (hyla models lists them) or a Hugging Face "
+                         f"hub id, org/name)")
     return _from_hub(text)
+
+
+def looks_like_hub_id(text: str) -> bool:
+    """Whether ``text`` is to be fetched from the hub: ``org/name`` (or ``org/name/f.gguf``)
+    that is no local path. ``./a/b``, ``/a/b``, ``~/a/b`` and ``runs/x`` where a ``runs``
+    directory exists here are paths.
+
+    Example:
+        >>> looks_like_hub_id("Qwen/Qwen2.5-0.5B"), looks_like_hub_id("./runs/x")
+        (True, False)
+    """
+    if not _HUB_ID.match(text) or text.startswith((".", "~", "/")):
+        return False
+    return not pathlib.Path(text.split("/")[0]).is_dir()
 
 
 def source_kind(path: pathlib.Path) -> str:
@@ -193,7 +221,7 @@ def _from_hub(repo: str) -> pathlib.Path:
         return pathlib.Path(huggingface_hub.snapshot_download(repo,
                                                               allow_patterns=_HUB_PATTERNS))
     except Exception as e:  # offline, unknown repo, gated repo: all mean "cannot get it"
-        raise ValueError(f"model source {repo!r} is not a local path, and the Hugging Face hub "
-                         f"could not provide it as a hub id ({type(e).__name__}: "
+        raise ValueError(f"not found: {repo} (no local path {repo!r}, and the Hugging Face "
+                         f"hub could not provide it as a hub id ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else 'no detail'}); download it "
-                         f"first or check the id and the network") from e
+                         f"first or check the id and the network)") from e

@@ -39,9 +39,11 @@ from torch import nn
 
 SCHEMES = ("none", "int8", "int4")
 INT4_GROUP = 32
-# torch's packed kernels are matrix-vector products: their time grows with every row, so past
-# a few rows (prefill) dequantising the one weight and running a dense GEMM is faster.
-KERNEL_MAX_ROWS = 8
+# torch's packed kernels are matrix-vector products: their time grows with every row. A
+# decode batch (up to a few dozen rows) is still faster through them, but a prefill chunk is
+# faster dequantising the one weight and running a dense GEMM (measured on SmolLM2's output
+# layer: the kernel costs about as much as the dequantisation at 60-80 rows).
+KERNEL_MAX_ROWS = 64
 # The CPU int4 packing for out_features % 64 == 0: per block of 64 output rows and per input
 # column, 32 bytes whose low nibbles are rows 0-31 and high nibbles rows 32-63.
 INT4_BLOCK_N = 64

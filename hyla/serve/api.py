@@ -52,10 +52,14 @@ from hyla.serve.api_limits import (
 from hyla.serve.api_schemas import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from hyla.serve.api_tokenize import add_tokenizer_routes
 from hyla.serve.async_engine import AsyncEngine, EngineFailed, QueueFull, RequestFailed
+from hyla.serve.http_guard import BodyDeadlineMiddleware, ServerLimits
 from hyla.serve.sequence import SamplingParams
 
 _TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|literal\[.*\]|[A-Z]\w*)$")
-_PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "logprobs", "stop", "seed")
+_PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "logprobs", "stop", "seed",
+           "stop_token_ids", "top_logprobs")
+_ALIASES = {"prompt_logprobs": "logprobs"}     # echo's logprobs become the prompt's
+_FIRST_WORD = re.compile(r"^\W*(\w+)")
 
 
 class _ClientGone(Exception):
@@ -80,7 +84,15 @@ def _loc(loc) -> str:
 
 
 def param_of(message: str) -> str | None:
-    word = message.split(" ", 1)[0]
+    """The request field an engine's ValueError names: its first word, whatever punctuation
+    follows it (``"stop: at most ..."`` is ``stop``).
+
+    Example:
+        >>> param_of("stop: at most 4 strings"), param_of("top_p must be in (0, 1]")
+        ('stop', 'top_p')
+    """
+    m = _FIRST_WORD.match(message)
+    word = _ALIASES.get(m.group(1), m.group(1)) if m else ""
     if word in _PARAMS:
         return word
     return "prompt" if "prompt" in message else None
@@ -200,13 +212,16 @@ def engine_error(e: Exception) -> APIError:
 
 def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               health_check: Callable[[], str | None] | None = None) -> FastAPI:
+               health_check: Callable[[], str | None] | None = None,
+               body_timeout: float = ServerLimits.body_timeout) -> FastAPI:
     """The FastAPI app serving ``engine`` as the model ``model_name``.
 
     The caller owns ``engine`` (``engine.shutdown()`` after the server stops). With
     ``api_key`` every route but ``/health`` needs it; bodies over ``max_body_bytes`` are
     a 413. ``health_check``: another check ``/health`` makes (it returns why the server cannot
-    serve, or None).
+    serve, or None). A body not complete ``body_timeout`` seconds after its headers is a
+    408; a request with both Content-Length and Transfer-Encoding a 400
+    (:mod:`hyla.serve.http_guard`, which also has the connection-level limits).
     """
     app = FastAPI(title="hyla", description="OpenAI-compatible hybrid GLA/attention LM server")
     tok = engine.engine.tokenizer
@@ -215,6 +230,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     app.state.encoder = enc
     created = int(time.time())
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(BodyDeadlineMiddleware, timeout=body_timeout)
     if api_key:
         app.add_middleware(APIKeyMiddleware, key=api_key)
 
@@ -258,7 +274,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                         params: list[SamplingParams], fmt: Formatter):
         """Several prompts of one request, run together; one choice each."""
         async def collect(i: int) -> Result:
-            r, gen = Result(), engine.generate(prompts[i], params[i], f"{fmt.id}-{i}")
+            r, gen = Result(), engine.generate(prompts[i], params[i], f"{fmt.id}-{i}",
+                                               group=fmt.id)    # served as one request
             try:
                 async for out in gen:
                     r.add(out)

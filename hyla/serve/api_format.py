@@ -11,6 +11,7 @@ no choices carries the usage.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -36,6 +37,24 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, tuple[str, ...]]:
                                              add_generation_prompt=True), ()
     text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
     return text + "<|assistant|>\n", CHAT_STOP
+
+
+def json_safe(obj):
+    """``obj`` with every NaN and infinity replaced by None: JSON has no such numbers, and a
+    model whose logits overflow (or whose weights were loaded with ``--allow-nonfinite``)
+    must still answer valid JSON (``null`` for such a logprob).
+
+    Example:
+        >>> json_safe({"a": [float("nan"), -float("inf"), -0.5], "b": "x"})
+        {'a': [None, None, -0.5], 'b': 'x'}
+    """
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 @dataclass
@@ -160,8 +179,8 @@ class Formatter:
             choices.append(choice)
         p = sum(x.num_prompt_tokens for x in results)
         c = sum(x.num_output_tokens for x in results)
-        return self._envelope(choices, chunk=False) | {"usage": {
-            "prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}}
+        return json_safe(self._envelope(choices, chunk=False) | {"usage": {
+            "prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}})
 
     def _chunk(self, payload: dict, lps: list | None, finish: str | None) -> str:
         choice = {"index": 0} | payload
@@ -172,7 +191,7 @@ class Formatter:
     def _event(self, body: dict) -> str:
         if self.include_usage:
             body.setdefault("usage", None)
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return f"data: {json.dumps(json_safe(body), ensure_ascii=False, allow_nan=False)}\n\n"
 
     async def stream(self, first: StepOutput, rest: AsyncIterator[StepOutput]
                      ) -> AsyncIterator[str]:

@@ -2,14 +2,15 @@
 
 Types are strict, as OpenAI's are: ``"max_tokens": "5"`` is a 400, not a 5. Fields OpenAI
 defines that hyla does not implement are accepted only at their neutral value (``n`` 1,
-penalties 0, no ``logit_bias``, no ``suffix``) and are a 400 otherwise;
+penalties 0, no ``logit_bias``, no ``suffix``, no ``response_format`` but ``text``, no
+``tools``/``functions``, ``tool_choice`` ``none``) and are a 400 otherwise;
 unknown fields are ignored. ``top_k``, ``ignore_eos`` and ``stop_token_ids`` are
 extensions (vLLM's names); the ``openai`` client sends them through ``extra_body``.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,6 +40,40 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# Fields hyla does not implement -> (their neutral values, what to say). A request with
+# any other value is a 400 naming the field.
+NEUTRAL = {
+    "response_format": ((None, {"type": "text"}),
+                        "structured output (json_object, json_schema) is not supported"),
+    "tools": ((None, []), "tool calling is not supported"),
+    "tool_choice": ((None, "none"), "tool calling is not supported"),
+    "functions": ((None, []), "function calling is not supported"),
+    "function_call": ((None, "none"), "function calling is not supported"),
+}
+
+
+def check_neutral(req) -> None:
+    """APIError (400) naming the first field of :data:`NEUTRAL` that ``req`` sets to a value
+    other than its neutral ones.
+
+    Example:
+        >>> class R: response_format, tools, tool_choice = {"type": "json_object"}, None, None
+        >>> try:
+        ...     check_neutral(R())
+        ... except APIError as e:
+        ...     print(e.status, e.param)
+        400 response_format
+    """
+    for name, (neutral, why) in NEUTRAL.items():
+        value = getattr(req, name, None)
+        if not any(value == v for v in neutral):
+            shown = repr(value)
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            raise APIError(f"{name} is not supported: {why} by this server; send it "
+                           f"unset (or {neutral[1]!r}), got {shown}", param=name,
+                           code="unsupported_parameter")
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -65,9 +100,17 @@ class _Sampling(_Strict):
     user: str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # Structured output and tool calling: not implemented, so refused unless neutral (a
+    # client asking for JSON must not get free text with a 200).
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
 
     def check_unsupported(self) -> None:
         """Raise APIError for a field hyla accepts only at its neutral value."""
+        check_neutral(self)
         if self.n != 1:
             raise APIError(f"n must be 1 (one choice per request), got {self.n}", param="n")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -65,6 +65,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._arrivals: dict[str, float] = {}
+        self._groups: dict[str, str] = {}      # request id -> its batch request's id
         self._inbox_adds = 0         # requests handed to the thread, not yet in the engine
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -93,13 +94,15 @@ class AsyncEngine:
         return self.error is None and self._thread.is_alive()
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None, prefilled: tuple | None = None
-                       ) -> AsyncIterator[StepOutput]:
+                       request_id: str | None = None, prefilled: tuple | None = None,
+                       group: str | None = None) -> AsyncIterator[StepOutput]:
         """Stream one request's outputs. Raises ValueError (bad request) or QueueFull
         before the first output; closing the iterator early aborts the request.
 
         ``prefilled=(first_token, SequenceState)``: the prompt was prefilled elsewhere;
-        decoding continues from that state (the first token is not streamed again)."""
+        decoding continues from that state (the first token is not streamed again).
+        ``group``: shared by the prompts of one batch request (fair scheduling:
+        :meth:`Engine.add_request`)."""
         if not self.alive:
             raise EngineFailed(f"the engine is dead: {self.error!r}")
         self.engine.check_request(prompt_ids, params)
@@ -112,6 +115,8 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)
         self._arrivals[rid] = time.perf_counter()
+        if group is not None:
+            self._groups[rid] = group
         self._inbox.put(("add", rid, list(prompt_ids), params, prefilled))
         self._wake.set()
         finished = False
@@ -152,7 +157,9 @@ class AsyncEngine:
                     continue
                 try:
                     if prefilled is None:
-                        self.engine.add_request(prompt, params, rid, self._arrivals.get(rid))
+                        group = self._groups.pop(rid, None)
+                        self.engine.add_request(prompt, params, rid, self._arrivals.get(rid),
+                                                **({"group": group} if group else {}))
                     else:
                         seq = self.engine.add_prefilled(prompt, *prefilled, params, rid,
                                                         self._arrivals.get(rid))
@@ -229,6 +236,7 @@ class AsyncEngine:
     def _forget(self, rid: str) -> None:
         self._streams.pop(rid, None)
         self._arrivals.pop(rid, None)
+        self._groups.pop(rid, None)
         self.metrics.forget(rid)
 
     def _deliver(self, rid: str, item) -> None:

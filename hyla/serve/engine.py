@@ -60,6 +60,9 @@ class EngineConfig:
     max_model_len: int = 2048
     block_size: int = 16
     num_kv_blocks: int | None = None
+    # Bytes the paged KV blocks may take (``num_kv_blocks`` from it): at least one
+    # full-length sequence, at most what max_num_seqs full-length ones need. None: the most.
+    kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
     num_state_snapshots: int | None = None
     snapshot_interval: int = 256
@@ -69,6 +72,29 @@ class EngineConfig:
     # logits [B, V], per-row params and generators -> (tokens, logprobs); the same sampler
     # as hyla.model.generate by default
     sampler: Callable = sample
+
+
+def kv_block_bytes(model: HylaLM, block_size: int) -> int:
+    """Bytes of one paged KV block across all the model's growing (attention) entries."""
+    dtype = model.anchor.dtype
+    return block_size * sum(spec.per_token_bytes(dtype) for spec in model.state_specs)
+
+
+def kv_blocks_for(model: HylaLM, c: EngineConfig) -> int:
+    """KV blocks for ``max_num_seqs`` full-length sequences, or as many as
+    ``c.kv_cache_memory`` bytes hold; ValueError when those bytes hold fewer than one
+    full-length sequence needs (saying the minimum)."""
+    per_seq = -(-c.max_model_len // c.block_size)
+    most = c.max_num_seqs * per_seq
+    if c.kv_cache_memory is None:
+        return most
+    block = kv_block_bytes(model, c.block_size)
+    blocks = c.kv_cache_memory // block
+    if blocks < per_seq:
+        raise ValueError(f"--kv-cache-memory {c.kv_cache_memory} bytes holds {blocks} KV blocks "
+                         f"of {block} bytes; one {c.max_model_len}-token sequence needs "
+                         f"{per_seq} blocks: at least {per_seq * block} bytes")
+    return min(blocks, most)
 
 
 @dataclass
@@ -116,7 +142,7 @@ class Engine:
         has_gla = any(spec.fixed for spec in model.state_specs)
         blocks = c.num_kv_blocks
         if blocks is None:
-            blocks = c.max_num_seqs * -(-c.max_model_len // c.block_size) if has_attn else 0
+            blocks = kv_blocks_for(model, c) if has_attn else 0
         snaps = c.num_state_snapshots
         if snaps is None:
             snaps = c.max_num_seqs if has_gla and c.enable_prefix_caching else 0
@@ -131,6 +157,8 @@ class Engine:
                              block_size=c.block_size,
                              num_snapshots=snaps if has_gla else 0, compile=c.compile,
                              cuda_graphs=c.cuda_graphs)
+        # what the paged KV blocks hold (``hyla serve`` logs it)
+        self.kv_cache_bytes = blocks * kv_block_bytes(model, c.block_size) if has_attn else 0
         self.eos_token_id = getattr(tokenizer, "eos_id", None)
         self.end_ids = tuple(getattr(tokenizer, "stop_ids", ()))
         self._ids = itertools.count()
@@ -146,7 +174,7 @@ class Engine:
     # -- requests ----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    *, prefill_only: bool = False) -> Sequence:
+                    *, prefill_only: bool = False, group: str | None = None) -> Sequence:
         """Queue a request; raises ValueError (naming what is wrong) if it cannot run, and
         then queues nothing.
 
@@ -156,6 +184,8 @@ class Engine:
         the :class:`~hyla.model.state.SequenceState` after the prompt
         (:meth:`Runner.extract`), which another engine's :meth:`add_prefilled` continues.
         Its slot and blocks are free once the step returns. Only the prompt must fit.
+        ``group``: the request it belongs to, shared by the prompts of one batch request,
+        which the scheduler serves as one request beside others (fair turns and slots).
 
         Example:
             >>> from hyla.model import HylaLM, preset
@@ -171,7 +201,7 @@ class Engine:
         self.check_request(prompt_ids, params, prefill_only=prefill_only)
         seq = Sequence(rid, list(prompt_ids), params,
                        arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
-                       eos_token_id=self.eos_token_id, end_ids=self.end_ids)
+                       eos_token_id=self.eos_token_id, end_ids=self.end_ids, group=group)
         if prefill_only:
             # only the first token is produced here; the scheduler reserves for that alone
             seq.params = dataclasses.replace(params, max_tokens=1)

@@ -2,11 +2,17 @@
 
 Pure Python (no torch), so the disaggregation simulator runs these exact decisions.
 
-Each step has a token budget (``max_num_batched_tokens``). Running sequences go first, in
-admission order: a decoding sequence costs one token, a sequence still in its prompt gets
-the next chunk (chunked prefill). Then waiting sequences are admitted first come, first
-served while a state slot, KV blocks and budget remain; the prefix cache may cover the
-start of their prompt. When a running sequence needs a KV block and none is free, the most
+Each step has a token budget (``max_num_batched_tokens``). Running sequences go first:
+decoding ones (one token each), then those still in their prompt get their next chunk
+(chunked prefill) in turns across requests: the first prefilling sequence of each request
+in admission order, then the second of each, and so on (the prompts of one batch request
+are one request: :attr:`Sequence.fair_group`). Then waiting sequences are admitted while a
+state slot, KV blocks and budget remain, the request with the fewest running sequences
+first (first come, first served between equals), and a request with none running that
+finds no free slot takes one from the request holding the most (its newest sequence is
+preempted): a small request beside a batch of hundreds of prompts waits for neither the
+whole batch nor a free slot. The prefix cache may cover the start of a prompt. When a
+running sequence needs a KV block and none is free, the most
 recently admitted sequence is preempted: its slot and blocks are freed and it is recomputed
 later from its tokens (prompt and output so far), in front of the queue.
 
@@ -17,7 +23,7 @@ only ever sees those batch sizes.
 from __future__ import annotations
 
 import bisect
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from hyla.serve.block_manager import BlockManager
@@ -202,30 +208,16 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = self._chunk_len(seq, budget)
-            if not self._reserve_kv(seq, seq.num_computed_tokens + n, out):
-                continue        # seq (or a later one) was preempted; self.running changed
-            if n == 1 and not seq.is_prefilling:
-                out.decodes.append(seq)
-            else:
-                out.prefills.append(PrefillChunk(seq, seq.num_computed_tokens, n))
-            budget -= n
-            i += 1
-        while self.waiting and budget > 0 and not out.preempted:
-            if not self._admit(self.waiting[0], budget, out):
-                break
-            seq = self.waiting.popleft()
-            self.running.append(seq)
-            chunk_tokens = seq.num_tokens - seq.num_computed_tokens
-            n = self._chunk_len(seq, budget)
-            if chunk_tokens == 1:
-                out.decodes.append(seq)
-            else:
-                out.prefills.append(PrefillChunk(seq, seq.num_computed_tokens, n))
-            budget -= n
+        counts = Counter(s.fair_group for s in self.running)
+        order = self._running_order()           # the decoding ones, then the prefilling
+        decoding = sum(1 for s in order if not s.is_prefilling)
+        budget = self._run(order[:decoding], budget, out)
+        if max(counts.values(), default=0) > 1:
+            # A batch is running: a request with nothing running is admitted before the
+            # batch's prefill chunks take the budget (else it waits for all of them).
+            budget = self._admit_waiting(budget, out, counts, only_new=True)
+        budget = self._run(order[decoding:], budget, out)
+        self._admit_waiting(budget, out, counts)
         if out.decodes:
             widths = self.config.decode_widths
             out.decode_width = widths[bisect.bisect_left(widths, len(out.decodes))]
@@ -262,6 +254,83 @@ class Scheduler:
         self._finish(seq, reason)
 
     # -- internals ---------------------------------------------------------------------
+    def _run(self, seqs: list[Sequence], budget: int, out: SchedulerOutput) -> int:
+        """Schedule running ``seqs`` in order while budget remains; returns what is left."""
+        for seq in seqs:
+            if budget <= 0:
+                break
+            if seq not in self.running:
+                continue        # preempted to make room for an earlier one this step
+            n = self._chunk_len(seq, budget)
+            if not self._reserve_kv(seq, seq.num_computed_tokens + n, out):
+                continue        # seq itself was preempted
+            if n == 1 and not seq.is_prefilling:
+                out.decodes.append(seq)
+            else:
+                out.prefills.append(PrefillChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+        return budget
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput, counts: Counter,
+                       only_new: bool = False) -> int:
+        """Admit waiting sequences while a slot, KV blocks and budget remain, the request
+        with the fewest running first; ``only_new``: only requests with none running."""
+        while self.waiting and budget > 0 and not out.preempted:
+            seq = self._next_waiting(counts)
+            if only_new and counts[seq.fair_group]:
+                break
+            if self.pool.num_free == 0 and counts[seq.fair_group] == 0:
+                self._take_a_slot(counts, out)
+            if not self._admit(seq, budget, out):
+                break
+            self.waiting.remove(seq)
+            counts[seq.fair_group] += 1
+            self.running.append(seq)
+            chunk_tokens = seq.num_tokens - seq.num_computed_tokens
+            n = self._chunk_len(seq, budget)
+            if chunk_tokens == 1:
+                out.decodes.append(seq)
+            else:
+                out.prefills.append(PrefillChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+        return budget
+
+    def _running_order(self) -> list[Sequence]:
+        """Decoding sequences (admission order), then prefilling ones in turns across
+        requests: each request's first, then each one's second, ..."""
+        decoding = [s for s in self.running if not s.is_prefilling]
+        turn: Counter = Counter()
+        ranked = []
+        for i, s in enumerate(self.running):
+            if s.is_prefilling:
+                ranked.append((turn[s.fair_group], i, s))
+                turn[s.fair_group] += 1
+        return decoding + [s for _, _, s in sorted(ranked, key=lambda r: r[:2])]
+
+    def _next_waiting(self, counts: Counter) -> Sequence:
+        """The waiting sequence of the request with the fewest running sequences (the
+        earliest in the queue between equals)."""
+        best = None
+        for seq in self.waiting:
+            n = counts[seq.fair_group]
+            if best is None or n < best[0]:
+                best = (n, seq)
+                if n == 0:
+                    break
+        return best[1]
+
+    def _take_a_slot(self, counts: Counter, out: SchedulerOutput) -> None:
+        """Preempt the newest sequence of the request holding the most slots (when it holds
+        more than one), for a request that holds none."""
+        if not counts:
+            return
+        group, n = max(counts.items(), key=lambda kv: kv[1])
+        if n < 2:
+            return
+        victim = next(s for s in reversed(self.running) if s.fair_group == group)
+        self._preempt(victim, out)
+        counts[group] -= 1
+
     def _chunk_len(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_tokens - seq.num_computed_tokens
         n = min(remaining, budget)

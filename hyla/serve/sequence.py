@@ -133,11 +133,20 @@ class Sequence:
     external_state: object | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    # The request it belongs to, for fair scheduling: the prompts of one batch request
+    # share it (None: a request of its own).
+    group: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError(f"request {self.request_id}: the prompt must hold at least one "
                              "token")
+
+    @property
+    def fair_group(self) -> str:
+        """What the scheduler shares slots and turns between: the request (a batch's
+        prompts are one)."""
+        return self.group if self.group is not None else self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:

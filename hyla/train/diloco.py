@@ -32,13 +32,13 @@ process group's store, and the last checkpoint (written whole or not at all) sta
 from __future__ import annotations
 
 import datetime
-import pathlib
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyla.model.formats.checkpoint import step_dirs
 from hyla.train.comm import CommCounter
 from hyla.train.fomoe import HeldExperts
 from hyla.train.optim import run_optimizers
@@ -205,7 +205,7 @@ def stopped(error: BaseException, step: int, out, timeout: float) -> BaseExcepti
     silent = silent_ranks(step, min(timeout, 30.0)) if dist.is_initialized() else None
     who = (f"rank(s) {', '.join(map(str, silent))}" if silent
            else "a rank (the store could not tell which)" if silent is None else "a rank")
-    ckpts = sorted(p.name for p in pathlib.Path(out).glob("ckpt-*") if p.name[5:].isdigit())
+    ckpts = [p.name for p in step_dirs(out)]
     last = f"{out}/{ckpts[-1]}" if ckpts else "none written yet"
     return RuntimeError(f"rank {rank} stopped after step {step}: {who} stopped answering "
                         f"within --sync-timeout {timeout:g}s ({why[:300]}). The last "

@@ -22,7 +22,7 @@ import torch
 
 from hyla.train import distributed
 from hyla.train.batches import next_batch
-from hyla.train.checkpointing import save_train_checkpoint
+from hyla.train.checkpointing import guarded_save, remove_stale_temps, save_train_checkpoint
 from hyla.train.comm import CommCounter
 from hyla.train.metrics import MetricsLog
 from hyla.train.objectives import Objective
@@ -123,6 +123,8 @@ class Loop:
         self.after_step, self.save_fn = after_step, save_fn
         self.routing = None   # MoE models: a hyla.train.routing.RoutingMonitor (the Trainer's)
         self.metrics = MetricsLog(self.out / "metrics.jsonl", step, enabled=rank == 0)
+        if rank == 0:       # saves that a killed earlier run left half-written
+            remove_stale_temps(self.out, shared=True)
 
     # What a checkpoint saves (save_train_checkpoint reads these).
     @property
@@ -176,11 +178,11 @@ class Loop:
         """Write ``ckpt-<step>/`` (every rank must call it under ``torchrun``)."""
         target = self.out / f"ckpt-{self.step:06d}"
         if self.save_fn is not None:
-            return self.save_fn(self, target)
+            return guarded_save(self.save_fn, self, target)
         if self.distributed_checkpoints:
             from hyla.train.dist_checkpoint import save_dcp_checkpoint
 
-            return save_dcp_checkpoint(self, target)
+            return guarded_save(save_dcp_checkpoint, self, target)
         return save_train_checkpoint(self, target)
 
     def fit(self, until: int | None = None, progress: bool = True) -> dict:
@@ -193,11 +195,13 @@ class Loop:
         with bar:
             while self.step < end:
                 stage = self.stage
+                # the rate this step uses (read after it, it would be the next step's: 0 at
+                # the end of a decay, which the progress bar then shows)
+                lr = (stage.schedulers[0].get_last_lr()[0] if stage.schedulers
+                      else stage.optimizers[0].param_groups[0]["lr"])
                 start = time.perf_counter()
                 metrics = self.train_step()
                 seconds = time.perf_counter() - start
-                lr = (stage.schedulers[0].get_last_lr()[0] if stage.schedulers
-                      else stage.optimizers[0].param_groups[0]["lr"])
                 record = {**stage.tags, "step": self.step, **metrics, "lr": lr,
                           "tokens": stage.tokens_before
                           + (self.step - stage.start) * stage.tokens_per_step,

@@ -19,12 +19,14 @@ import openai
 import pytest
 import zmq
 
+from hyla.disagg.live.internal_auth import InternalAuth, internal_key
 from hyla.disagg.live.transfer import PROTOCOL, frame_mac, transfer_key
 
 MODEL = "hyla-debug"
 KEY = "chaos-key"
 SECRET = "chaos-cluster-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+SIGNED = InternalAuth(internal_key(SECRET), role="router")   # /internal/* needs both
 LONG = "the quick brown fox jumps over the lazy dog. " * 3     # > threshold: remote
 N_REQUESTS, CONCURRENCY = 48, 8
 
@@ -93,23 +95,26 @@ def test_secrets_and_closed_routes(cluster):
         cmdline = open(f"/proc/{w['pid']}/cmdline", "rb").read()
         assert KEY.encode() not in cmdline and SECRET.encode() not in cmdline
         assert httpx.get(w["address"] + "/internal/info").status_code == 401
-        assert httpx.get(w["address"] + "/internal/info", headers=AUTH).status_code == 200
+        # the API key alone no longer opens an internal route: the cluster secret's HMAC
+        assert httpx.get(w["address"] + "/internal/info", headers=AUTH).status_code == 401
+        assert httpx.get(w["address"] + "/internal/info", headers=AUTH,
+                         auth=SIGNED).status_code == 200
 
 
 def test_prefill_worker_ships_only_to_registered_decoders(cluster):
     (p,) = _workers(cluster, "prefill")
     body = {"request_id": "x", "prompt_ids": [1, 2, 3], "params": {"max_tokens": 1}}
     for i in range(102):
-        r = httpx.post(p["address"] + "/internal/prefill", headers=AUTH, timeout=10,
+        r = httpx.post(p["address"] + "/internal/prefill", headers=AUTH, timeout=10, auth=SIGNED,
                        json=body | {"dest": f"tcp://127.0.0.1:{20000 + i}"})
         assert r.status_code == 400 and "registered" in r.json()["error"]["message"]
-    info = httpx.get(p["address"] + "/internal/info", headers=AUTH).json()
+    info = httpx.get(p["address"] + "/internal/info", headers=AUTH, auth=SIGNED).json()
     assert info["sockets"] <= 2 and info["registered_decode"] == 2
 
 
 def _forge(address: str) -> None:
     """An unsigned frame, then a signed one (an insider) whose first_token is not an int."""
-    s = zmq.Context.instance().socket(zmq.PUSH)
+    s = zmq.Context.instance().socket(zmq.DEALER)   # the receiver is a ROUTER
     s.setsockopt(zmq.LINGER, 1000)
     s.connect(address)
     s.send_multipart([json.dumps({"v": PROTOCOL, "rid": "forged", "type": "end",
@@ -195,9 +200,9 @@ def test_chaos_under_load(cluster):
     deadline = time.monotonic() + 20
     while True:
         h = httpx.get(survivor["address"] + "/health").json()
-        info = httpx.get(survivor["address"] + "/internal/info", headers=AUTH).json()
+        info = httpx.get(survivor["address"] + "/internal/info", headers=AUTH, auth=SIGNED).json()
         (p,) = _workers(cluster, "prefill")
-        pinfo = httpx.get(p["address"] + "/internal/info", headers=AUTH).json()
+        pinfo = httpx.get(p["address"] + "/internal/info", headers=AUTH, auth=SIGNED).json()
         idle = (h["running"], h["waiting"], h["state_slots_used"], h["kv_blocks_used"],
                 info["inflight"], pinfo["queued_tokens"])
         if idle == (0,) * 6 or time.monotonic() > deadline:
@@ -248,8 +253,8 @@ def test_health_is_semantic(cluster):
     """A decode worker whose engine is dead answers 503; the router stops counting it and,
     with none left, its own /health is a 503 and requests get a clean 503."""
     (w,) = [x for x in _workers(cluster, "decode") if x["healthy"]]
-    httpx.post(w["address"] + "/internal/fault", headers=AUTH, json={"engine_dead": True}
-               ).raise_for_status()
+    httpx.post(w["address"] + "/internal/fault", headers=AUTH, auth=SIGNED,
+               json={"engine_dead": True}).raise_for_status()
     assert httpx.get(w["address"] + "/health").status_code == 503
     deadline = time.monotonic() + 10
     while httpx.get(cluster + "/health").status_code != 503:

@@ -18,7 +18,11 @@ import httpx
 import openai
 import pytest
 
+from hyla.disagg.live.internal_auth import InternalAuth, internal_key
+
 MODEL = "hyla-debug"
+SECRET = "cluster-test-secret"
+SIGNED = InternalAuth(internal_key(SECRET), role="test")     # /internal/* calls are signed
 LONG = "the quick brown fox jumps over the lazy dog. " * 3     # > threshold: remote
 SHORT = "hi"                                                      # local
 
@@ -34,7 +38,7 @@ def cluster(tmp_path_factory):
     logs = tmp_path_factory.mktemp("cluster")
     port = _free_port()
     out = open(logs / "cluster.out", "w+b")  # noqa: SIM115 - closed at teardown
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HYLA_FAULTS="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HYLA_FAULTS="1", HYLA_CLUSTER_SECRET=SECRET)
     proc = subprocess.Popen(
         [sys.executable, "-m", "hyla", "cluster", "--preset", "debug", "--port", str(port),
          "--prefill-workers", "2", "--decode-workers", "2", "--threshold", "32",
@@ -89,7 +93,8 @@ def _workers(base, role):
 def _fault(base, role, body):
     for w in _workers(base, role):
         if w["healthy"]:
-            httpx.post(f"{w['address']}/internal/fault", json=body, timeout=10).raise_for_status()
+            httpx.post(f"{w['address']}/internal/fault", json=body, timeout=10,
+                       auth=SIGNED).raise_for_status()
 
 
 def _reference(base, prompt, max_tokens):
@@ -151,7 +156,7 @@ def test_prompt_logprobs_and_batches_through_the_router(cluster):
 @pytest.mark.parametrize("fault,reason", [
     ({"corrupt": True}, "checksum"),
     ({"fingerprint": "0000000000000000"}, "fingerprint"),
-    ({"stall_after_chunks": 1}, "did not complete|stalled"),
+    ({"stall_after_chunks": 1}, "did not complete|stalled|no acknowledgement"),
 ])
 def test_bad_transfer_reruns_locally(cluster, fault, reason):
     import re

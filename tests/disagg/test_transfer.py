@@ -190,19 +190,29 @@ def test_sender_limiter_and_egress_meter(state):
 
 def test_prefill_service_ships_the_engines_state(model):
     """The worker's engine prefills (in chunks) and hands over the state; what arrives,
-    and the first token, equal a local prefill's."""
+    and the first token, equal a local prefill's. The worker's answer waits for the
+    receiver's acknowledgement ("sent" means acknowledged)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     svc = PrefillService(model, max_model_len=128, chunk_tokens=16)
     ctx = zmq.Context.instance()
-    pull = ctx.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
     prompt = list(range(3, 40))
     try:
-        res = svc.run_sync("r", prompt, SamplingParams(temperature=0),
-                           f"tcp://127.0.0.1:{port}")
-        msgs = []
-        while not msgs or json.loads(msgs[-1][0])["type"] != "end":
-            assert pull.poll(30_000), "transfer did not arrive"
-            msgs.append(pull.recv_multipart())
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(svc.run_sync, "r", prompt, SamplingParams(temperature=0),
+                              f"tcp://127.0.0.1:{port}")
+            msgs, peer = [], None
+            while not msgs or json.loads(msgs[-1][0])["type"] != "end":
+                assert router.poll(30_000), "transfer did not arrive"
+                peer, *frames = router.recv_multipart()
+                msgs.append(frames)
+            time.sleep(0.2)
+            assert not fut.done()                 # not acknowledged yet: not sent
+            router.send_multipart([peer, json.dumps({"v": 2, "type": "ack", "rid": "r",
+                                                     "ok": True, "wire_s": 0.01}).encode()])
+            res = fut.result(30)
         (done,) = _feed(TransferAssembler(svc.fingerprint, svc.kinds), msgs)
         runner = Runner(model, max_num_seqs=1, num_kv_blocks=8)
         logits = runner.prefill([(0, prompt, 0, [0, 1, 2])])
@@ -210,9 +220,10 @@ def test_prefill_service_ships_the_engines_state(model):
         assert _same(done.state, ref)
         assert done.first_token == res["first_token"] == int(logits[0].argmax())
         assert res["chunks"] == len(msgs) - 2 and res["bytes"] > ref.nbytes
+        assert res["wire_s"] == 0.01 and res["transfer_s"] >= 0.2
         assert not svc.engine.has_unfinished() and svc.engine.scheduler.pool.num_used == 0
     finally:
-        pull.close(linger=0)
+        router.close(linger=0)
         svc.close()
 
 

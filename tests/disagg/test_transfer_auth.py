@@ -28,7 +28,7 @@ def _state():
 
 
 def _push(address: str, msgs: list[list], key: bytes | None) -> None:
-    s = zmq.Context.instance().socket(zmq.PUSH)
+    s = zmq.Context.instance().socket(zmq.DEALER)   # the receiver is a ROUTER
     s.setsockopt(zmq.LINGER, 1000)
     s.connect(address)
     for m in msgs:

@@ -115,9 +115,40 @@ def test_cli_end_to_end(tmp_path, monkeypatch, capsys):
 
 
 def test_quick_has_delta_rule_models_and_they_train():
-    assert recall_preset("quick").mixers == ("GG", "GA", "AA", "DD", "DA")
+    quick = recall_preset("quick")
+    assert quick.mixers == ("GG", "GA", "AA", "DD", "DA", "KK")
+    # What made GLA learn (issue 33): zero filler, slow initial gates, one lr, a curriculum.
+    assert not quick.random_filler and quick.gate_logit_normalizer == 256.0
+    assert quick.lrs == (1e-3,) and quick.shapes_at(0) == ((64, 4), (64, 8))
     tiny = dataclasses.replace(TINY, mixers=("DD", "DA"), lrs=(1e-3,))
     best = best_records(run_recall(tiny, seed=2))
     assert {r["mixer"] for r in best} == {"DD", "DA"}
     state = {(r["mixer"], r["seq_len"]): r["state_bytes"] for r in best}
     assert state["DD", 32] == state["DD", 64] < state["DA", 32] < state["DA", 64]
+
+
+def test_zero_filler_keeps_pairs_and_queries():
+    a = mqar(16, 64, 6, 128, seed=4)
+    b = mqar(16, 64, 6, 128, seed=4, random_filler=False)
+    assert torch.equal(a.labels, b.labels)
+    keep = torch.zeros_like(a.inputs, dtype=torch.bool)
+    keep[:, :12] = True
+    keep |= a.labels != IGNORE
+    assert torch.equal(a.inputs[keep], b.inputs[keep])
+    assert bool((b.inputs[~keep] == 0).all()) and bool((a.inputs[~keep] != 0).any())
+
+
+def test_curriculum_and_per_mixer_lrs():
+    p = dataclasses.replace(TINY, train_steps=10, curriculum=((0.3, ((32, 2),)),
+                                                               (0.6, ((32, 4), (48, 8)))),
+                            mixer_lrs=(("AA", (3e-3,)),))
+    assert [p.shapes_at(s) for s in (0, 2, 3, 5, 6, 9)] == [
+        ((32, 2),), ((32, 2),), ((32, 4), (48, 8)), ((32, 4), (48, 8)), TINY.train, TINY.train]
+    assert p.lrs_for("AA") == (3e-3,) and p.lrs_for("GG") == TINY.lrs
+    records = run_recall(dataclasses.replace(p, mixers=("AA",), train_steps=2), seed=0)
+    assert {r["lr"] for r in records} == {3e-3}
+    for bad in (((1.5, ((32, 2),)),), ((0.5, ((32, 2),)), (0.2, ((32, 2),))), ((0.5, ()),)):
+        with pytest.raises(ValueError, match="curriculum"):
+            dataclasses.replace(TINY, curriculum=bad)
+    with pytest.raises(ValueError, match="num_kv_pairs"):
+        dataclasses.replace(TINY, curriculum=((0.5, ((32, 9),)),))

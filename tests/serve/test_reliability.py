@@ -303,14 +303,17 @@ def test_api_key_on_the_command_line_is_refused():
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed",
           "stop", "n", "stream", "stream_options", "logprobs", "top_logprobs", "echo",
           "suffix", "ignore_eos", "stop_token_ids", "presence_penalty", "logit_bias",
-          "max_completion_tokens", "user", "best_of"]
+          "max_completion_tokens", "user", "best_of",
+          # issue 32: refused unless neutral
+          "response_format", "tools", "tool_choice", "functions", "function_call"]
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.integers(-3, 40),
     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=40),
     st.sampled_from(["hyla-debug", "user", "assistant", "\ud800", "", "\x00"]))
 values = st.recursive(scalars, lambda inner: st.one_of(
     st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(
-        ["role", "content", "type", "text", "include_usage", "x"]), inner, max_size=3)),
+        ["role", "content", "type", "text", "include_usage", "x", "json_schema"]), inner,
+        max_size=3)),
     max_leaves=8)
 bodies = st.dictionaries(st.sampled_from(FIELDS), values, max_size=7)
 
@@ -330,7 +333,17 @@ def test_fuzz_http_api(server, body, chat, raw_tail):
     assert r.status_code < 500, (r.status_code, r.text[:300], body)
     if r.status_code >= 400:
         assert "error" in r.json()
+    _strict_json(r.text)          # issue 32: never a NaN or Infinity, streams included
     _healthy(base)
+
+
+def _strict_json(text: str) -> None:
+    """Parse a JSON body, or each event of an SSE body, refusing NaN and Infinity."""
+    def refuse(name):
+        raise AssertionError(f"{name} in a response: not JSON")
+    events = [e[6:] for e in text.split("\n\n") if e.startswith("data: {")]
+    for doc in events or [text]:
+        json.loads(doc, parse_constant=refuse)
 
 
 def test_after_the_fuzz_a_normal_request_works(client):

@@ -51,10 +51,12 @@ def test_sigkill_mid_checkpoint_leaves_the_previous_one_loadable(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True)
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]
     assert [p.name for p in sorted(out.glob("ckpt-*"))] == ["ckpt-000002"]
+    assert len(list(out.glob(".ckpt-000004.tmp*"))) == 1     # the killed save's own
     model, tok = load_checkpoint(out)  # the run directory resolves to its newest checkpoint
     assert model.cfg.vocab_size == tok.vocab_size
     resumed = Trainer(TrainConfig(out=str(out)), resume=out)
     assert resumed.step == 2
+    assert not list(out.glob(".ckpt-*.tmp*"))      # removed at the next start (issue 32)
     assert resumed.fit(progress=False)["step"] == 4
 
 

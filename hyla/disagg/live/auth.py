@@ -6,7 +6,9 @@
 - the cluster secret, which keys the HMAC on every transfer frame: ``$HYLA_CLUSTER_SECRET``
   or a file named by ``$HYLA_CLUSTER_SECRET_FILE``. ``hyla cluster`` makes a random one for
   its workers; a worker given none derives it from the API key, and with neither the
-  transfer channel is unauthenticated (allowed only on a loopback address).
+  transfer channel is unauthenticated (allowed only on a loopback address). The same
+  secret signs every call of an ``/internal/*`` HTTP route
+  (:mod:`hyla.disagg.live.internal_auth`): with a secret set, unsigned calls get 401.
 
 Example:
     >>> import os, tempfile
@@ -62,3 +64,11 @@ def worker_transfer_key(api_key_value: str | None, host: str) -> bytes | None:
         raise ValueError(f"binding {host}: set $HYLA_CLUSTER_SECRET (or an API key) so that "
                          "state transfers are authenticated")
     return transfer_key(secret)
+
+
+def internal_http_key() -> bytes | None:
+    """The key that signs ``/internal/*`` HTTP calls: from the cluster secret (None without
+    one: then only the API key, if any, guards those routes)."""
+    from hyla.disagg.live.internal_auth import internal_key
+
+    return internal_key(cluster_secret())

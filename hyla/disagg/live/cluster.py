@@ -118,6 +118,14 @@ class Cluster:
         self.secret = cluster_secret() or secrets.token_hex(32)
 
     @property
+    def auth(self):
+        """An ``httpx`` auth that signs ``/internal/*`` calls to this cluster's workers
+        (``httpx.get(url, auth=cluster.auth)``): they refuse unsigned ones."""
+        from hyla.disagg.live.internal_auth import InternalAuth, internal_key
+
+        return InternalAuth(internal_key(self.secret), role="launcher")
+
+    @property
     def url(self) -> str:
         return f"http://{self.spec.host}:{self.spec.port}"
 
@@ -184,7 +192,8 @@ class Cluster:
                 headers = {"authorization": f"Bearer {self.spec.api_key}"} \
                     if self.spec.api_key else {}
                 try:
-                    if httpx.get(p.url + path, timeout=1.0, headers=headers).status_code == 200:
+                    if httpx.get(p.url + path, timeout=1.0, headers=headers,
+                                 auth=self.auth).status_code == 200:
                         pending.remove(p)
                 except httpx.HTTPError:
                     pass

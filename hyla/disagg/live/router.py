@@ -19,10 +19,23 @@ ends with an error event, and a non-streaming one is re-run from the start. When
 can serve, the client gets a 503 with an OpenAI error body.
 
 Every ``poll_s`` the router reads each worker's ``/internal/info`` (health, queue,
-throughput) and feeds the policy the measured egress Gbps (bytes the prefill workers
-shipped), the remote and local prefill queues and whether the remote pool is up. ``GET
-/cluster`` lists the workers (role, address, pid, health), the policy's state, the routing
-counts and the long-timescale P/D split recommendation.
+throughput) and feeds the policy the link's utilisation (egress over the measured
+capacity), the remote and local prefill queues and whether the remote pool is up.
+
+The link is measured, not configured (:mod:`hyla.disagg.live.router_links`): every remote
+request's transfer reports its bytes, wire time and end-to-end time (to the decode side's
+acknowledgement); per prefill -> decode path the router keeps a throughput and latency
+estimate and a circuit breaker, and the policy's cost model
+(:meth:`~hyla.disagg.policy.prfaas.PrfaasRouter.check_link`) keeps a request local when
+shipping its state would be slower than prefilling it here, or while the path is down,
+but for a few probes. Each transfer's deadline comes from that estimate and the state's
+size; past it the request is re-run locally. ``--link-gbps`` is only the initial estimate
+(and the prefill workers' pacing cap).
+
+``GET /cluster`` lists the workers (role, address, pid, health), the policy's state, each
+path's ``links`` entry (``gbps_estimate``, ``rtt_s``, ``state`` ok/degraded/down,
+``last_transfer_s``, ``probes_in_flight``), the routing counts and the long-timescale P/D
+split recommendation.
 """
 
 from __future__ import annotations
@@ -36,54 +49,19 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from hyla.disagg.live.internal_auth import InternalAuth, internal_key
+from hyla.disagg.live.router_links import LinkBook
+from hyla.disagg.live.router_remote import RemotePath, WorkerFailed, _Fallback, _out
+from hyla.disagg.live.router_worker import Worker  # noqa: F401  (re-exported)
 from hyla.disagg.live.transfer import EgressMeter
 from hyla.disagg.policy import LOCAL, RouterConfig, build_policy, recommend_pd_split
+from hyla.disagg.policy.link import LinkConfig
 from hyla.disagg.policy.prefix_index import PrefixIndex, chunk_chain
-from hyla.model.sampler import TokenLogprob
 from hyla.serve.api import (
     param_of,
 )
 from hyla.serve.api_schemas import APIError
-from hyla.serve.engine import StepOutput
 from hyla.serve.sequence import SamplingParams
-
-
-class _Fallback(Exception):
-    """The remote path failed before any output: re-run locally."""
-
-
-class WorkerFailed(Exception):
-    """A decode worker failed (connection lost, engine error) while streaming."""
-
-    def __init__(self, msg: str, sent: int):
-        super().__init__(msg)
-        self.sent = sent
-
-
-@dataclass
-class Worker:
-    url: str
-    role: str
-    info: dict = field(default_factory=dict)
-    healthy: bool = False
-    error: str | None = "not polled yet"
-    inflight: int = 0
-    last_ok: float = 0.0
-    queued_tokens: int = 0          # not tracked per worker: the policy picks by inflight
-    slow_polls: int = 0             # health polls in a row that timed out
-
-    @property
-    def name(self) -> str:
-        return self.url
-
-    def view(self) -> dict:
-        i = self.info
-        return {"role": self.role, "address": self.url, "pid": i.get("pid"),
-                "healthy": self.healthy, "health": "ok" if self.healthy else "down",
-                "error": self.error, "inflight": self.inflight,
-                "transfer_address": i.get("transfer_address"),
-                "queue_s": i.get("queue_s"), "fingerprint": i.get("fingerprint")}
-
 
 SLOW_POLLS_DOWN = 3                 # timed-out health polls in a row before a worker is down
 
@@ -116,11 +94,15 @@ class LiveRouterConfig:
     model_name: str
     max_model_len: int = 2048
     policy: RouterConfig = field(default_factory=live_policy)
-    transfer_timeout_s: float = 30.0
+    transfer_timeout_s: float = 30.0       # the longest a shipped state may take
+    # the measured link of each path (None: from policy.link_gbps and transfer_timeout_s)
+    link: LinkConfig | None = None
     max_remote_inflight: int = 4
     poll_s: float = 0.5
     read_timeout_s: float = 120.0
     api_key: str | None = None
+    # signs every /internal/* call (the workers refuse unsigned ones): the cluster secret
+    cluster_secret: str | None = field(default=None, repr=False)
     force: str | None = None          # "local" / "remote": bypass the policy (benchmarks)
     # The PD workers' prefix caches as the router estimates them: prompts are indexed in
     # chunks of the engine's GLA snapshot interval, as many per worker as it keeps snapshots.
@@ -128,20 +110,7 @@ class LiveRouterConfig:
     prefix_capacity: int = 16
 
 
-def _lp(x: dict | None) -> TokenLogprob | None:
-    return None if x is None else TokenLogprob(x["token"], x["logprob"],
-                                               [tuple(t) for t in x["top"]])
-
-
-def _out(d: dict, rid: str) -> StepOutput:
-    lps = [_lp(x) for x in d.get("logprobs") or []]
-    plps = d.get("prompt_logprobs")
-    return StepOutput(rid, d["token_ids"], d["text"], d["finished"], d["finish_reason"], lps,
-                      d["num_prompt_tokens"], d["num_output_tokens"],
-                      prompt_logprobs=None if plps is None else [_lp(x) for x in plps])
-
-
-class LiveRouter:
+class LiveRouter(RemotePath):
     """Worker registry, policy and request paths (see the module docstring)."""
 
     def __init__(self, cfg: LiveRouterConfig, tokenizer):
@@ -150,10 +119,13 @@ class LiveRouter:
         self.decode = [Worker(u.rstrip("/"), "decode") for u in cfg.decode_urls]
         self.policy = build_policy(cfg.policy)
         self.egress = EgressMeter(window_s=5.0)
+        self.links = LinkBook(cfg.link or LinkConfig(initial_gbps=cfg.policy.link_gbps,
+                                                     max_deadline_s=cfg.transfer_timeout_s))
+        self.local_tps = self.remote_tps = 20_000.0     # prompt tokens/s, as measured
         self.prefix = PrefixIndex(cfg.prefix_chunk_tokens, cfg.prefix_capacity)
         self.counts = {"local": 0, "remote": 0, "remote_ok": 0, "fallback_local": 0,
                        "decode_retries": 0, "failed_mid_stream": 0, "failed": 0,
-                       "cached_local": 0, "cached_tokens": 0}
+                       "cached_local": 0, "cached_tokens": 0, "abandoned": 0, "probes": 0}
         self.fallback_reasons: dict[str, int] = {}
         self.last_errors: list[str] = []
         self.t0 = time.monotonic()
@@ -161,7 +133,8 @@ class LiveRouter:
         self.pd = {"note": "not measured yet"}
         self._rr = itertools.count()
         headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-        self.http = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(
+        auth = InternalAuth(internal_key(cfg.cluster_secret), role="router")
+        self.http = httpx.AsyncClient(headers=headers, auth=auth, timeout=httpx.Timeout(
             cfg.read_timeout_s, connect=5.0), limits=httpx.Limits(max_connections=1000,
                                                                    max_keepalive_connections=100))
         self._poller: asyncio.Task | None = None
@@ -196,7 +169,12 @@ class LiveRouter:
         loc = [w for w in self.decode if w.healthy]
         remote_q = min((w.info.get("queue_s", 0.0) for w in up), default=0.0)
         local_q = min((w.info.get("queue_s", 0.0) for w in loc), default=0.0)
-        self.policy.observe(time.monotonic() - self.t0, egress_gbps=self.egress.gbps(),
+        self.local_tps = max((w.info.get("tokens_per_s", 0.0) for w in loc), default=0.0) \
+            or self.local_tps
+        self.remote_tps = max((w.info.get("tokens_per_s", 0.0) for w in up), default=0.0) \
+            or self.remote_tps
+        self.policy.observe(time.monotonic() - self.t0,
+                            link_util=self.egress.gbps() / self.links.capacity_gbps(),
                             remote_queue_s=remote_q, local_queue_s=local_q,
                             remote_up=bool(up))
         self._pd_split(loc)
@@ -263,10 +241,12 @@ class LiveRouter:
         return {"router": {"role": "router", "pid": os.getpid(), "health": "ok"},
                 "workers": [w.view() for w in self.prefill + self.decode],
                 "policy": {"threshold": p.t, "link_gbps": self.cfg.policy.link_gbps,
+                           "link_gbps_measured": self.links.capacity_gbps(),
                            "egress_gbps": self.egress.gbps(), "link_util": p.link_util,
                            "remote_queue_s": p.remote_queue_s,
                            "local_queue_s": p.local_queue_s, "remote_up": p.remote_up,
                            "forced": self.cfg.force},
+                "links": self.links.view(),
                 "counts": dict(self.counts), "fallback_reasons": dict(self.fallback_reasons),
                 "pd_split": self.pd, "last_errors": self.last_errors[-5:]}
 
@@ -289,7 +269,8 @@ class LiveRouter:
         Raises APIError before the first output when nothing can serve it, and
         :class:`WorkerFailed` (with ``sent`` > 0) when a decode worker dies mid-stream.
         """
-        target, chain, cached_on = self.plan(ids)
+        decision, chain, cached_on = self._plan(ids)
+        target = decision if isinstance(decision, str) else decision.target
         if params.prompt_logprobs is not None:
             target = LOCAL          # prompt logprobs come from a PD worker's prefill
         if target == "remote":
@@ -297,24 +278,28 @@ class LiveRouter:
             cap = None if self.cfg.force == "remote" else self.cfg.max_remote_inflight
             p = self._pick(self.prefill, cap=cap)
             d = self._pick(self.decode, need_transfer=True)
+            ship = None
             if p is None or d is None:
                 self._fallback("remote pool saturated or down" if p is None
                                else "no decode worker for a shipped state")
             else:
+                ship = self._check_link(p, d, len(ids), decision)
+            if ship is not None:
                 self.counts["remote"] += 1
+                self.counts["probes"] += ship.probe
                 sent = 0
                 try:
-                    async for o in self._remote(p, d, ids, params, rid):
+                    async for o in self._remote(p, d, ids, params, rid, ship):
                         sent += 1
                         self.counts["remote_ok"] += o.finished
                         yield o
                     return
                 except _Fallback as e:
-                    self._fallback(str(e))
+                    self._fallback(e.kind, str(e))
                 except WorkerFailed as e:
                     if e.sent or sent:
                         raise
-                    self._fallback(str(e))
+                    self._fallback("decode worker failed", str(e))
         self.counts["local"] += 1
         tried: set[str] = set()
         errors = []
@@ -348,6 +333,11 @@ class LiveRouter:
 
         The remote pool keeps no prefix cache, so only the local side counts one (and a
         remote prefill recomputes the whole prompt)."""
+        d, chain, cached_on = self._plan(ids)
+        return (d if isinstance(d, str) else d.target), chain, cached_on
+
+    def _plan(self, ids: list[int]):
+        """:meth:`plan` with the policy's whole RouteDecision (the forced path: a str)."""
         chain = chunk_chain(ids, self.prefix.chunk_tokens)
         up = [w.url for w in self.decode if w.healthy]
         cached_on, cached = self.prefix.best(chain, up)
@@ -357,13 +347,14 @@ class LiveRouter:
         if d.target == LOCAL and d.cached_tokens:
             self.counts["cached_local"] += 1
             self.counts["cached_tokens"] += d.cached_tokens
-        return d.target, chain, cached_on
+        return d, chain, cached_on
 
-    def _fallback(self, reason: str) -> None:
+    def _fallback(self, kind: str, detail: str | None = None) -> None:
+        """Count a remote request re-run (or kept) locally under ``kind`` (a fixed phrase:
+        ``fallback_reasons`` counts by it), with its ``detail`` in ``last_errors``."""
         self.counts["fallback_local"] += 1
-        key = reason.split(":")[0][:80]
-        self.fallback_reasons[key] = self.fallback_reasons.get(key, 0) + 1
-        self.record_error(f"fallback to local: {reason}")
+        self.fallback_reasons[kind] = self.fallback_reasons.get(kind, 0) + 1
+        self.record_error(f"fallback to local: {detail or kind}")
 
     async def _lines(self, w: Worker, resp, rid: str, sent0: int = 0):
         """Parsed NDJSON lines of a decode worker's stream; WorkerFailed on loss."""
@@ -421,49 +412,3 @@ class LiveRouter:
             w.inflight -= 1
             if resp is not None:
                 await resp.aclose()
-
-    async def _remote(self, p: Worker, d: Worker, ids, params, rid):
-        p.inflight += 1
-        d.inflight += 1
-        resp = prefill = first = None
-        try:
-            resp = await self._open(d, self._body(ids, params, rid, True))
-            lines = self._lines(d, resp, rid)
-            prefill = asyncio.ensure_future(self.http.post(
-                f"{p.url}/internal/prefill", timeout=self.cfg.transfer_timeout_s + 60,
-                json={"request_id": rid, "prompt_ids": ids, "params": params.__dict__,
-                      "dest": d.info["transfer_address"]}))
-            first = asyncio.ensure_future(anext(lines))
-            done, _ = await asyncio.wait({prefill, first}, return_when=asyncio.FIRST_COMPLETED)
-            if prefill in done and first not in done:
-                self._check_prefill(p, prefill)
-            try:
-                line = await first
-            except WorkerFailed as e:
-                if prefill.done():
-                    self._check_prefill(p, prefill)
-                raise _Fallback(str(e)) from None
-            yield _out(line, rid)
-            async for x in lines:
-                yield _out(x, rid)
-        finally:
-            p.inflight -= 1
-            d.inflight -= 1
-            for t in (first, prefill):
-                if t is not None and not t.done():
-                    t.cancel()
-            if prefill is not None and prefill.done() and not prefill.cancelled() \
-                    and prefill.exception() is None and prefill.result().status_code == 200:
-                self.egress.add(int(prefill.result().json().get("bytes", 0)))
-            if resp is not None:
-                await resp.aclose()
-
-    def _check_prefill(self, p: Worker, task) -> None:
-        err = task.exception()
-        if err is not None:
-            if isinstance(err, httpx.TransportError):
-                p.healthy, p.error = False, f"{type(err).__name__}: {err}"
-            raise _Fallback(f"prefill worker {p.url} failed: {type(err).__name__}: {err}")
-        r = task.result()
-        if r.status_code != 200:
-            raise _Fallback(f"prefill worker {p.url}: HTTP {r.status_code} {r.text[:200]}")

@@ -99,6 +99,7 @@ def create_router_app(router: LiveRouter, max_body_bytes: int = DEFAULT_MAX_BODY
             try:
                 first = await until_disconnect(request, anext(gen))
             except _ClientGone:
+                router.counts["abandoned"] += 1
                 await gen.aclose()
                 return Response(status_code=499)
             except WorkerFailed as e:
@@ -142,21 +143,27 @@ def create_router_app(router: LiveRouter, max_body_bytes: int = DEFAULT_MAX_BODY
         try:
             return await until_disconnect(request, collect_all())
         except _ClientGone:
-            router.counts["abandoned"] = router.counts.get("abandoned", 0) + 1
+            router.counts["abandoned"] += 1
             return Response(status_code=499)
 
     async def _events(fmt, first, gen):
+        ended = False               # the stream ran to its end (or to an error event)
         try:
             async for event in fmt.stream(first, gen):
                 yield event
+            ended = True
         except WorkerFailed as e:
+            ended = True
             router.counts["failed_mid_stream"] += 1
             router.record_error(str(e))
             yield _error_event(f"The stream was interrupted: {e}. The output so far is "
                                "incomplete; retry the request.")
         except APIError as e:
+            ended = True
             yield _error_event(e.message)
         finally:
+            if not ended:           # the client disconnected mid-stream
+                router.counts["abandoned"] += 1
             await gen.aclose()
 
     @app.post("/v1/completions")
@@ -187,10 +194,16 @@ def create_router_app(router: LiveRouter, max_body_bytes: int = DEFAULT_MAX_BODY
 
     @app.get("/health")
     async def health():
+        # 200 while requests can be served (locally at least); a remote path that is
+        # slow or down, or a prefill pool that is, shows as "degraded"
         up = sum(w.healthy for w in router.decode)
-        body = {"status": "ok" if up else "error", "model": cfg.model_name,
-                "decode_workers_up": up,
-                "prefill_workers_up": sum(w.healthy for w in router.prefill)}
+        pre = sum(w.healthy for w in router.prefill)
+        bad = router.links.degraded()
+        status = "error" if not up else "degraded" if bad or (router.prefill and not pre) \
+            else "ok"
+        body = {"status": status, "model": cfg.model_name, "decode_workers_up": up,
+                "prefill_workers_up": pre,
+                "links": bad}
         return JSONResponse(body, 200 if up else 503)
 
     @app.get("/cluster")
@@ -203,6 +216,7 @@ def create_router_app(router: LiveRouter, max_body_bytes: int = DEFAULT_MAX_BODY
                  for k, v in router.counts.items()]
         lines.append(f"hyla_router_threshold_tokens {router.policy.t}")
         lines.append(f"hyla_router_egress_gbps {router.egress.gbps()}")
+        lines += router.links.metrics()
         return Response("\n".join(lines) + "\n", media_type="text/plain")
 
     return app

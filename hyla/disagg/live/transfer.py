@@ -5,7 +5,8 @@ prompt that the prefill worker's engine hands over (:meth:`hyla.serve.engine.Eng
 add_request` with ``prefill_only``). It travels as its :meth:`~hyla.model.state.
 SequenceState.flatten` buffer, whose header CRC and payload checksum are the transfer's
 one checksum layer, cut into chunks so the link can be paced and a stalled transfer seen.
-It is a series of zmq messages on a PUSH -> PULL pipe (in order), each a multipart message
+It is a series of zmq messages on a DEALER -> ROUTER pipe (in order; the receiver
+acknowledges each transfer on it), each a multipart message
 whose first frame is a JSON header carrying ``v`` (the protocol), ``rid`` (the request id)
 and ``type``:
 

@@ -161,9 +161,12 @@ def add_decode_routes(app: FastAPI, engine: AsyncEngine, receiver: StateReceiver
 def build_decode_worker(model, tok, name: str, engine_config, *, max_waiting: int = 256,
                         api_key: str | None = None, transfer_bind: str = "tcp://127.0.0.1:0",
                         advertise_host: str | None = None, stall_s: float = 30.0,
-                        transfer_key: bytes | None = None, on_dead=None):
+                        transfer_key: bytes | None = None, on_dead=None,
+                        internal_key: bytes | None = None):
     """(app, async engine, receiver) of a decode worker; the caller shuts both down.
-    ``transfer_key``: the HMAC key every shipped state's frames must carry; ``on_dead``:
+    ``transfer_key``: the HMAC key every shipped state's frames must carry;
+    ``internal_key``: with it, every ``/internal/*`` call must be signed
+    (:mod:`hyla.disagg.live.internal_auth`); ``on_dead``:
     called if the engine dies (the role exits non-zero so a supervisor restarts it)."""
     from hyla.model.state import SequenceState
     from hyla.serve.api import create_app
@@ -180,4 +183,8 @@ def build_decode_worker(model, tok, name: str, engine_config, *, max_waiting: in
     app = create_app(async_engine, model_name=name, api_key=api_key,
                      health_check=lambda: None if receiver.alive else "the state receiver stopped")
     add_decode_routes(app, async_engine, receiver, fp, api_key)
+    if internal_key is not None:
+        from hyla.disagg.live.internal_auth import InternalAuthMiddleware
+
+        app.add_middleware(InternalAuthMiddleware, key=internal_key)
     return app, async_engine, receiver

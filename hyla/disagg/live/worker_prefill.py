@@ -7,8 +7,9 @@ engine checks the prompt, seeds the sampler, chunks the prompt, samples the firs
 hands over the :class:`~hyla.model.state.SequenceState`), ships each state whole to
 ``dest`` (:class:`~hyla.disagg.live.transfer_net.StateSender`, paced to ``--link-gbps``)
 while it goes on to the next prompt, and answers with the first token and the transfer's
-figures once the state is sent. ``GET /health`` and ``GET /internal/info`` report its
-queue, prefill throughput and egress.
+figures once the decode worker has acknowledged the state (a state that is rejected or not
+acknowledged within the request's ``deadline_s`` is a 502 ``transfer_failed``). ``GET
+/health`` and ``GET /internal/info`` report its queue, prefill throughput and egress.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from hyla.disagg.live.internal_auth import InternalAuthMiddleware
 from hyla.disagg.live.transfer import model_fingerprint
 from hyla.disagg.live.transfer_net import StateSender, fault_injection_enabled
 from hyla.model.state import SequenceState
@@ -37,6 +39,16 @@ def params_from_dict(d: dict) -> SamplingParams:
         return SamplingParams(**d)
     except TypeError as e:
         raise ValueError(f"params: {e}") from None
+
+
+class TransferFailed(RuntimeError):
+    """The state was not acknowledged by the decode worker (rejected, or its deadline
+    passed); ``stats`` are the transfer's figures (answered to the router, which counts
+    the failure against the link)."""
+
+    def __init__(self, msg: str, stats: dict):
+        super().__init__(msg)
+        self.stats = stats
 
 
 def logprob_to_dict(lp) -> dict | None:
@@ -123,21 +135,24 @@ class PrefillService:
                 max(1e-9, time.monotonic() - self.started), **self.stats}
 
     async def submit(self, rid: str, prompt: list[int], params: SamplingParams,
-                     dest: str) -> dict:
-        """Queue a prompt; its answer once the state is sent. ValueError (before queueing)
-        if the engine could never run it."""
+                     dest: str, deadline_s: float | None = None) -> dict:
+        """Queue a prompt; its answer once the decode worker acknowledged its state
+        (``deadline_s``: from the first byte sent to that acknowledgement; the router
+        derives it from its link estimate). ValueError (before queueing) if the engine
+        could never run it."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self.engine.check_request(prompt, params, prefill_only=True)
         self.sender.check_dest(dest)
         with self._lock:
             self.queued_tokens += len(prompt)
-        self._jobs.put((rid, prompt, params, dest, loop, fut))
+        self._jobs.put((rid, prompt, params, dest, loop, fut, deadline_s))
         return await fut
 
-    def run_sync(self, rid: str, prompt: list[int], params: SamplingParams, dest: str) -> dict:
+    def run_sync(self, rid: str, prompt: list[int], params: SamplingParams, dest: str,
+                 deadline_s: float | None = None) -> dict:
         """Prefill in the calling thread (tests, tools)."""
-        return self._finish(*self._prefill(rid, prompt, params, dest))
+        return self._finish(*self._prefill(rid, prompt, params, dest, deadline_s))
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -151,10 +166,10 @@ class PrefillService:
             job = self._jobs.get()
             if job is None:
                 return
-            rid, prompt, params, dest, loop, fut = job
+            rid, prompt, params, dest, loop, fut, deadline_s = job
             t0 = time.monotonic()
             try:
-                shipping = self._prefill(rid, prompt, params, dest)
+                shipping = self._prefill(rid, prompt, params, dest, deadline_s)
             except Exception as e:  # noqa: BLE001 - answered to the router
                 self.stats["failed"] += 1
                 shipping = None
@@ -178,7 +193,7 @@ class PrefillService:
                 result = e
             loop.call_soon_threadsafe(_resolve, fut, result)
 
-    def _prefill(self, rid, prompt, params, dest) -> tuple:
+    def _prefill(self, rid, prompt, params, dest, deadline_s=None) -> tuple:
         """Prefill ``prompt`` on the engine (prefill-only) and queue its state on the link;
         returns what :meth:`_finish` needs once the transfer is done."""
         delay = float(self.faults.get("prefill_delay_s", 0.0))
@@ -201,7 +216,7 @@ class PrefillService:
         prefill_s = time.perf_counter() - t0
         first = done.token_ids[0]
         lp = logprob_to_dict(done.logprobs[0]) if done.logprobs else None
-        out = self.sender.send(rid, dest, done.state, first, lp)
+        out = self.sender.send(rid, dest, done.state, first, lp, deadline_s=deadline_s)
         self.stats["prompt_tokens"] += len(prompt)
         self.stats["prefill_s"] += prefill_s
         return out, {"request_id": rid, "first_token": first, "logprob": lp,
@@ -211,10 +226,11 @@ class PrefillService:
         """Wait for a prefilled request's state to be sent; its answer to the router."""
         stats = out.wait(timeout=3600)
         if stats["error"]:
-            raise RuntimeError(f"sending the state failed: {stats['error']}")
+            raise TransferFailed(f"sending the state failed: {stats['error']}", stats)
         self.stats["requests"] += 1
         return {**result, "bytes": stats["bytes"], "chunks": stats["chunks"],
-                "transfer_s": stats["seconds"]}
+                "transfer_s": stats["seconds"], "wire_s": stats["wire_s"],
+                "queued_s": stats["queued_s"], "acked": True}
 
 
 def _resolve(fut, result) -> None:
@@ -226,9 +242,14 @@ def _resolve(fut, result) -> None:
         fut.set_result(result)
 
 
-def create_prefill_app(svc: PrefillService, api_key: str | None = None) -> FastAPI:
-    """The prefill worker's HTTP app (internal API; ``api_key`` guards ``/internal/*``)."""
+def create_prefill_app(svc: PrefillService, api_key: str | None = None,
+                       internal_key: bytes | None = None) -> FastAPI:
+    """The prefill worker's HTTP app (internal API; ``api_key`` guards ``/internal/*``, and
+    with ``internal_key`` (from the cluster secret) every call there must be signed:
+    :mod:`hyla.disagg.live.internal_auth`)."""
     app = FastAPI(title="hyla prefill worker")
+    if internal_key is not None:
+        app.add_middleware(InternalAuthMiddleware, key=internal_key)
 
     def authorized(request: Request) -> bool:
         return bearer_ok(request.headers.get("authorization"), api_key)
@@ -246,7 +267,17 @@ def create_prefill_app(svc: PrefillService, api_key: str | None = None) -> FastA
             prompt = body["prompt_ids"]
             if not isinstance(prompt, list) or not all(type(t) is int for t in prompt):
                 raise ValueError("prompt_ids must be a list of ints")
-            return await svc.submit(str(body["request_id"]), prompt, params, body["dest"])
+            deadline = body.get("deadline_s")
+            if deadline is not None and not (isinstance(deadline, int | float)
+                                             and 0 < deadline <= 3600):
+                raise ValueError(f"deadline_s must be a number in (0, 3600], got {deadline!r}")
+            return await svc.submit(str(body["request_id"]), prompt, params, body["dest"],
+                                    deadline)
+        except TransferFailed as e:
+            return JSONResponse(error_body(str(e), "server_error", code="transfer_failed")
+                                | {"transfer": {k: e.stats.get(k) for k in
+                                                ("bytes", "seconds", "error", "queued_s")}},
+                                502)
         except (ValueError, KeyError, TypeError) as e:
             return JSONResponse(error_body(f"bad prefill request: {e}"), 400)
         except Exception as e:  # noqa: BLE001

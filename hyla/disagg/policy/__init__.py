@@ -8,7 +8,9 @@ the simulator.
   the queues), :func:`build_policy` (how both callers get one) and
   :func:`recommend_pd_split` (the long-timescale P/D split);
 - :mod:`~hyla.disagg.policy.prefix_index`: the router's estimate of the workers' prefix
-  caches.
+  caches;
+- :mod:`~hyla.disagg.policy.link`: the measured link of each prefill -> decode path
+  (:class:`LinkEstimate`: throughput and latency estimate, circuit breaker, probes).
 
 Example:
     >>> policy = build_policy(RouterConfig(threshold=1000))
@@ -17,6 +19,7 @@ Example:
 """
 
 from hyla.disagg.policy.base import LOCAL, REMOTE, RouteDecision, RoutingPolicy, least_loaded
+from hyla.disagg.policy.link import LinkConfig, LinkEstimate, StateSize
 from hyla.disagg.policy.prfaas import (
     ALL_LOCAL,
     PrfaasRouter,
@@ -25,5 +28,6 @@ from hyla.disagg.policy.prfaas import (
     recommend_pd_split,
 )
 
-__all__ = ["ALL_LOCAL", "LOCAL", "REMOTE", "PrfaasRouter", "RouteDecision", "RouterConfig",
-           "RoutingPolicy", "build_policy", "least_loaded", "recommend_pd_split"]
+__all__ = ["ALL_LOCAL", "LOCAL", "REMOTE", "LinkConfig", "LinkEstimate", "PrfaasRouter",
+           "RouteDecision", "RouterConfig", "RoutingPolicy", "StateSize", "build_policy",
+           "least_loaded", "recommend_pd_split"]

@@ -37,7 +37,8 @@ class RouteDecision:
     ``compute_tokens`` is what that cluster must prefill (prompt minus the prefix it uses);
     ``cached_tokens`` the prefix it starts from; ``cache_transfer`` is None or
     ``(from_cluster, to_cluster, tokens)`` when a cached prefix must be moved first.
-    ``reason`` is one of "short", "long", "fallback", "cached".
+    ``reason`` is one of "short", "long", "fallback", "cached"; on a measured link also
+    "probe" (remote to measure it), "link_slow" or "link_down" (kept local).
     """
 
     target: str

@@ -33,6 +33,13 @@ Policy (after the published PrfaaS design):
   :func:`recommend_pd_split` gives the split the measured busy fractions suggest.
 - **Fallback.** While the remote pool is down, or its queue exceeds
   ``cfg.max_remote_queue_s``, every request stays local.
+- **The measured link** (:meth:`PrfaasRouter.check_link`, live): a request the threshold
+  sends remote is shipped only if the expected transfer time of its state on the chosen
+  path (:class:`~hyla.disagg.policy.link.LinkEstimate`: measured throughput and latency,
+  what is already queued on it) is no longer than prefilling it locally (the local queue
+  plus its own prefill), within ``cfg.queue_margin_s``; otherwise it stays local, but
+  for a small share of probes that keep the estimate current. A path whose circuit
+  breaker is open ships only its half-open probes.
 
 API (what the live router calls)::
 
@@ -65,6 +72,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hyla.disagg.policy.base import LOCAL, REMOTE, C, RouteDecision, least_loaded
+from hyla.disagg.policy.link import DOWN, LinkEstimate
 
 #: ``threshold`` that keeps every prefill local (t = infinity); ``threshold=0`` sends every
 #: uncached prefill to the remote cluster.
@@ -211,6 +219,56 @@ class PrfaasRouter:
              turn: int = 0) -> C | None:
         """Which member of ``pool`` gets the request: :func:`least_loaded`."""
         return least_loaded(pool, prefill=prefill, prefer=prefer, turn=turn)
+
+    def check_link(self, d: RouteDecision, link: LinkEstimate, *, state_bytes: int | None,
+                   local_prefill_s: float, backlog_bytes: int = 0,
+                   now: float = 0.0) -> RouteDecision:
+        """The cost model on the measured link, for a request :meth:`route` sent remote:
+        the same decision if shipping its state (behind ``backlog_bytes`` already queued
+        on the path) is expected to take no longer than a local prefill
+        (``local_prefill_s``: the local queue plus this prompt's own prefill) plus
+        ``cfg.queue_margin_s``, else local. (The remote queue is the threshold
+        controller's business, :meth:`observe`: this is about the link.) Local
+        (``reason`` ``"link_slow"``, or ``"link_down"`` while the path's breaker is
+        open), except for the probes that keep the estimate current
+        (``reason`` ``"probe"``, counted in ``link.probes_in_flight`` until the router
+        reports the transfer). ``state_bytes`` None (no transfer seen yet): the prior.
+
+        Example:
+            >>> from hyla.disagg.policy.link import LinkConfig
+            >>> r = PrfaasRouter(RouterConfig(threshold=100, queue_margin_s=0.1))
+            >>> link = LinkEstimate()
+            >>> d = r.route(1000)
+            >>> r.check_link(d, link, state_bytes=100_000, local_prefill_s=0.05).target
+            'remote'
+            >>> link.observe(100_000, seconds=0.25, wire_s=0.2)       # 4 Mbit/s
+            >>> r.check_link(d, link, state_bytes=100_000, local_prefill_s=0.05).reason
+            'link_slow'
+        """
+        if d.target != REMOTE:
+            return d
+        if link.state == DOWN:
+            if link.allow_probe(now):
+                link.start_probe(now)
+                return RouteDecision(REMOTE, d.compute_tokens, d.cached_tokens, d.threshold,
+                                     "probe", d.cache_transfer)
+            return self._stay(d, "link_down")
+        expected = link.transfer_s(state_bytes or 0, backlog_bytes)
+        link.slow = expected > local_prefill_s + self.cfg.queue_margin_s
+        if not link.slow:
+            return d
+        if link.share_probe(now):
+            link.start_probe(now)
+            return RouteDecision(REMOTE, d.compute_tokens, d.cached_tokens, d.threshold,
+                                 "probe", d.cache_transfer)
+        return self._stay(d, "link_slow")
+
+    def _stay(self, d: RouteDecision, reason: str) -> RouteDecision:
+        self.stats.routed[REMOTE] -= 1
+        self.stats.routed[LOCAL] += 1
+        self.stats.fallbacks += 1
+        return RouteDecision(LOCAL, d.compute_tokens + d.cached_tokens, 0, d.threshold,
+                             reason)
 
     def _decide(self, target, prompt_len, cached, t, short, move) -> RouteDecision:
         reason = ("cached" if cached and prompt_len > t else "short") if short else "fallback"

