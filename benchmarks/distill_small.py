@@ -91,7 +91,8 @@ def long_child(hf_dir: str, length: int, cap_gib: float, mode: str) -> None:
             from hyla.train.distill_config import DistillConfig
 
             layers, kv = STUDENTS["GGGA"]
-            d = Distiller(DistillConfig(teacher=hf_dir, layers=layers, student_kv_heads=kv,
+            d = Distiller(DistillConfig(teacher=hf_dir, recipe="plain-gla", layers=layers,
+                                        student_kv_heads=kv,
                                         stage1_steps=1, stage2_steps=0, seq_len=256,
                                         stage1_seq_len=length, batch_size=1,
                                         optimizer="adamw", out=tempfile.mkdtemp()))
@@ -217,7 +218,8 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     for name, (layers, kv) in STUDENTS.items():
         out = work / f"student-{name}"
         if not _done(out, total):
-            Distiller(DistillConfig(teacher=str(work / "hf"), layers=layers, student_kv_heads=kv,
+            Distiller(DistillConfig(teacher=str(work / "hf"), recipe="plain-gla", layers=layers,
+                                    student_kv_heads=kv,
                                     stage1_steps=args.stage1_steps,
                                     stage2_steps=args.stage2_steps, save_every=total,
                                     out=str(out), stage1_lr=1e-3, **common)).fit()

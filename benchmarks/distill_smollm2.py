@@ -19,6 +19,18 @@ one (new parameters only, LoRA, bf16 autocast where fast): a few steps of each.
     python benchmarks/distill_smollm2.py --parallel --only hybrid --only all-linear
     python benchmarks/distill_smollm2.py --only hybrid-auto    # alone, 2 threads
     python benchmarks/distill_smollm2.py --collect         # tables + JSON + PNG from the runs
+    python benchmarks/distill_smollm2.py --skills-only runs/distill_smollm2/hybrid-auto ...
+
+Skills, not only perplexity (issue 35): a 4-way multiple-choice task of ``MC_ITEMS`` items
+made by ``hyla eval make-mc man`` (hyla.eval.heldout_mc) from manual pages (bash, git, ssh,
+gpg, less, find, ...: technical English prose in neither the training data, the stdlib
+source, nor the README's evaluation text, the stdlib validation split and the licences);
+question: a paragraph's opening sentences, answer: the sentence that follows, distractors:
+the next sentences of other paragraphs, of similar length. The teacher's accuracy (``acc``,
+and ``acc_norm`` by bytes) beside each student's, through lm-eval in process, and the
+recall-by-load curve (hyla.eval.recall_text) of each. ``--collect`` adds them for the runs
+of ``--work``; ``--skills-only DIR...`` measures existing student run directories (any
+``load_model`` source) without distilling and writes ``distill_smollm2_skills.json``.
 
 Writes ``benchmarks/results/distill_smollm2.json`` and ``distill_smollm2.png``.
 """
@@ -43,6 +55,8 @@ PROSE = ("GPL-3", "Apache-2.0", "MPL-2.0", "LGPL-2.1", "GFDL-1.3", "Artistic", "
 # "hybrid": every fourth layer kept; "hybrid-auto": as many, chosen by the teacher
 # (hyla.train.distill_layers: induction and reach probes, not the passkey test)
 STUDENTS = {"hybrid": "GGGA" * 7 + "GG", "hybrid-auto": "auto:7", "all-linear": "G" * 30}
+MC_SOURCE, MC_ITEMS, MC_SEED, MC_NAME = "man", 120, 0, "heldout_mc"
+RECALL_PAIRS, RECALL_LIMIT = (2, 8, 32), 8
 SETTINGS = ["--window", "64", "--sinks", "4", "--stage1-steps", "80", "--stage2-steps", "90",
             "--seq-len", "1024", "--batch-size", "1", "--lora-rank", "8", "--lr", "1e-3",
             "--warmup-steps", "5", "--eval-every", "60", "--eval-batches", "3",
@@ -85,6 +99,71 @@ def teacher_checkpoint(work: pathlib.Path) -> pathlib.Path:
     return target
 
 
+def mc_task(work: pathlib.Path) -> tuple[pathlib.Path, dict]:
+    """The held-out multiple-choice task (folder, meta), made once under ``work/mc``."""
+    from hyla.eval.heldout_mc import make_mc
+
+    folder = work / "mc"
+    meta_path = folder / f"{MC_NAME}.meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else None
+    if meta is None or (meta["items"], meta["seed"]) != (MC_ITEMS, MC_SEED):
+        meta = make_mc(MC_SOURCE, folder, items=MC_ITEMS, seed=MC_SEED, name=MC_NAME)
+    return folder, meta
+
+
+def model_skills(source, task_dir: pathlib.Path, recall_pairs=RECALL_PAIRS,
+                 limit: int | None = None) -> dict:
+    """Multiple-choice accuracy and the recall-by-load curve of one model, with seconds."""
+    from hyla.eval.compare import skill_scores
+    from hyla.eval.recall_text import text_recall
+    from hyla.model.load import load_model
+
+    start = time.perf_counter()
+    model, tok = load_model(str(source))
+    t0 = time.perf_counter()
+    mc = skill_scores(model, tok, [MC_NAME], include_path=str(task_dir), limit=limit)[MC_NAME]
+    t1 = time.perf_counter()
+    recall = text_recall(model, tok, recall_pairs, contexts=("growing",), limit=RECALL_LIMIT,
+                         name=pathlib.Path(str(source)).name) if recall_pairs else []
+    return {"layers": model.cfg.layers, "mc": mc,
+            "recall": [{k: r[k] for k in ("num_kv_pairs", "seq_len", "accuracy", "correct",
+                                          "queries", "state_bytes")} for r in recall],
+            "seconds": {"load": round(t0 - start, 1), "mc": round(t1 - t0, 1),
+                        "recall": round(time.perf_counter() - t1, 1)}}
+
+
+def skills(teacher: pathlib.Path, students: dict[str, pathlib.Path], task_dir: pathlib.Path,
+           recall_pairs=RECALL_PAIRS, limit: int | None = None) -> dict:
+    """The teacher's skills (once) and each student's, with student/teacher ratios."""
+    t = model_skills(teacher, task_dir, recall_pairs, limit)
+    print(f"teacher: {MC_NAME} acc {t['mc']['acc']:.3f} ({t['seconds']})", flush=True)
+    rows = {}
+    for name, path in students.items():
+        s = model_skills(path, task_dir, recall_pairs, limit)
+        s["mc_ratio"] = s["mc"]["acc"] / t["mc"]["acc"] if t["mc"]["acc"] else None
+        s["recall_ratio"] = {str(a["num_kv_pairs"]): (b["accuracy"] / a["accuracy"]
+                                                      if a["accuracy"] else None)
+                             for a, b in zip(t["recall"], s["recall"], strict=True)}
+        rows[name] = s
+        print(f"{name}: {MC_NAME} acc {s['mc']['acc']:.3f} ({s['seconds']})", flush=True)
+    return {"teacher": t, "students": rows}
+
+
+def print_skills(result: dict, meta: dict) -> None:
+    t = result["teacher"]
+    pairs = [r["num_kv_pairs"] for r in t["recall"]]
+    print(f"{meta['items']}-item 4-way multiple choice from {meta['source']} "
+          f"({len(meta['documents'])} pages, seed {meta['seed']}, sha256 "
+          f"{meta['sha256'][:12]}); chance 0.25")
+    print(f"{'model':<14} {'acc':>6} {'acc_norm':>8} {'acc s/t':>7} "
+          + " ".join(f"{'recall@' + str(p):>9}" for p in pairs))
+    for name, r in [("teacher", t), *result["students"].items()]:
+        ratio = r.get("mc_ratio")
+        print(f"{name:<14} {r['mc']['acc']:6.3f} {r['mc'].get('acc_norm', float('nan')):8.3f} "
+              f"{'' if ratio is None else f'{ratio:.3f}':>7} "
+              + " ".join(f"{x['accuracy']:9.2f}" for x in r["recall"]))
+
+
 def run_command(name: str, teacher: pathlib.Path, heldout: pathlib.Path, work: pathlib.Path):
     return [sys.executable, "-m", "hyla", "distill", "--teacher", str(teacher), "--layers",
             STUDENTS[name], *SETTINGS, "--eval-data", str(heldout), "--out",
@@ -111,7 +190,7 @@ def recipe_throughput(teacher: pathlib.Path, steps: int = 4) -> dict:
     from hyla.train.distill import Distiller
     from hyla.train.distill_config import DistillConfig
 
-    recipes = {"earlier": {"window": 0, "autocast": "off"},
+    recipes = {"earlier": {"recipe": "plain-gla", "autocast": "off"},
                "this": {"window": 64, "lora_rank": 8, "lr": 1e-3}}
     rates = {}
     for label, extra in recipes.items():
@@ -138,7 +217,8 @@ def recipe_throughput(teacher: pathlib.Path, steps: int = 4) -> dict:
     return rates
 
 
-def collect(work: pathlib.Path, throughput: dict | None) -> dict:
+def collect(work: pathlib.Path, throughput: dict | None, teacher: pathlib.Path | None = None,
+            with_skills: bool = True) -> dict:
     import torch
 
     rows = {}
@@ -154,9 +234,15 @@ def collect(work: pathlib.Path, throughput: dict | None) -> dict:
               "settings": SETTINGS, "students": rows, "throughput": throughput,
               "heldout": "stdlib validation files + /usr/share/common-licenses, alternating, "
                          "6,000 characters each"}
+    if with_skills and teacher is not None:
+        task_dir, meta = mc_task(work)
+        result["skills"] = skills(teacher, {n: work / n for n in rows}, task_dir)
+        result["mc_task"] = meta
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "distill_smollm2.json").write_text(json.dumps(result, indent=1))
     print_table(result)
+    if result.get("skills"):
+        print_skills(result["skills"], result["mc_task"])
     plot(result)
     return result
 
@@ -210,10 +296,26 @@ def main() -> None:
     ap.add_argument("--collect", action="store_true", help="only read finished runs")
     ap.add_argument("--only", choices=sorted(STUDENTS), action="append")
     ap.add_argument("--throughput-steps", type=int, default=4)
+    ap.add_argument("--skills-only", nargs="+", type=pathlib.Path, metavar="STUDENT_DIR",
+                    help="only the multiple-choice accuracy and recall by load of these "
+                         "existing students (and the teacher), no distillation (default: "
+                         "off)")
+    ap.add_argument("--no-skills", action="store_true",
+                    help="--collect without the multiple-choice task and recall curves")
+    ap.add_argument("--recall-pairs", default=",".join(map(str, RECALL_PAIRS)),
+                    help="--skills-only: comma-separated recall loads, empty for none "
+                         "(default: %(default)s)")
+    ap.add_argument("--limit", type=int, default=None,
+                    help="--skills-only: multiple-choice items scored (default: all)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="--skills-only: torch threads (default: torch's)")
     args = ap.parse_args()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     teacher = teacher_checkpoint(work)
+    if args.skills_only:
+        skills_only(args, work, teacher)
+        return
     heldout = heldout_dir(work / "heldout")
     if not args.collect:
         names = args.only or list(STUDENTS)
@@ -226,7 +328,38 @@ def main() -> None:
             sys.exit(f"a distillation failed (exit codes {codes}); see {work}/*.log")
     throughput = recipe_throughput(teacher, args.throughput_steps) \
         if args.throughput_steps else None
-    collect(work, throughput)
+    collect(work, throughput, teacher, with_skills=not args.no_skills)
+
+
+def skills_only(args, work: pathlib.Path, teacher: pathlib.Path) -> None:
+    """``--skills-only DIR...``: skills of existing students, ``distill_smollm2_skills.json``."""
+    import torch
+
+    from hyla.perf import machine_info, without_machine_paths
+
+    missing = [str(d) for d in args.skills_only if not d.exists()]
+    if missing:
+        sys.exit(f"--skills-only: no such student run directory: {', '.join(missing)}")
+    try:
+        pairs = tuple(int(x) for x in args.recall_pairs.split(",") if x.strip())
+    except ValueError:
+        sys.exit(f"--recall-pairs must be comma-separated ints, got {args.recall_pairs!r}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    task_dir, meta = mc_task(work)
+    start = time.perf_counter()
+    students = {d.name: d for d in args.skills_only}
+    result = skills(teacher, students, task_dir, pairs, args.limit)
+    out = {"benchmark": "distill_smollm2_skills", "machine": machine_info(),
+           "threads": torch.get_num_threads(), "load_average": os.getloadavg(),
+           "limit": args.limit, "mc_task": meta, "recall_limit": RECALL_LIMIT,
+           "seconds": round(time.perf_counter() - start, 1), **result}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "distill_smollm2_skills.json").write_text(
+        json.dumps(without_machine_paths(out), indent=1) + "\n")
+    print_skills(result, meta)
+    print(f"{out['seconds']:.0f} s, load average {os.getloadavg()[0]:.1f}; wrote "
+          f"{RESULTS / 'distill_smollm2_skills.json'}")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ TINY = {
     ("chat",): {"--max-tokens": "8"},
     ("eval", "ppl"): {"--seq-len": "32", "--max-tokens": "256"},
     ("eval", "needle"): {"--context": "128", "--trials": "1", "--depths": "0.5"},
+    ("eval", "compare"): {"--ppl-tokens": "256", "--limit": "4", "--recall-limit": "2"},
     ("simulate",): {"--requests": "10", "--seeds": "1", "--min-duration": "0"},
     ("profile",): {"--preset": "debug", "--quick": None},
     ("distill",): {"--stage1-steps": "1", "--stage2-steps": "1", "--seq-len": "32",

@@ -32,6 +32,7 @@ from hyla.cli.common import (
     stop_ids,
     torch_threads,
 )
+from hyla.cli.model_flags import add_quantize, apply_quantize
 
 
 def add_chat(sub) -> argparse.ArgumentParser:
@@ -46,6 +47,7 @@ def add_chat(sub) -> argparse.ArgumentParser:
                    help="a system message that opens the conversation (default: none)")
     add_sampling(p, 256, None, temperature=0.7, top_p=0.9)
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    add_quantize(p)
     p.set_defaults(func=cmd_chat)
     return p
 
@@ -96,12 +98,13 @@ class Conversation:
         """Add the user's ``text`` and yield the reply's text in pieces as it comes."""
         from hyla.model.stream import StreamTiming, stream_tokens
         from hyla.serve.detokenizer import IncrementalText
+        from hyla.serve.session import RunnerState
 
         self.messages.append({"role": "user", "content": text})
         prompt, stops = self._render(self.tok, self.messages)
         reread = self.state is None or not prompt.startswith(self.rendered)
         if reread:
-            self.state, self.pending = self.model.new_state(), []
+            self.state, self.pending = RunnerState(self.model), []
             new_ids = self.tok.encode(prompt)
         else:
             new_ids = self.pending + self._encode_more(prompt[len(self.rendered):])
@@ -169,6 +172,7 @@ def cmd_chat(args: argparse.Namespace, out: Console) -> int:
     else:
         model, tok = random_model(args.preset, args.seed)
         model, name = model.to(device), f"hyla-{args.preset} (random weights: noise)"
+    apply_quantize(model, args, err)
     err.print(f"[bold]{name}[/] loaded in {time.perf_counter() - start:.1f} s. "
               f"{state_note(model)}")
     err.print("[dim]/reset starts over, /exit or Ctrl-D ends, Ctrl-C stops a reply[/]")

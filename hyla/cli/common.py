@@ -161,12 +161,14 @@ def generate_text(model, tok, prompt: str, args: argparse.Namespace, timing=None
     import torch
 
     from hyla.model.stream import stream_tokens
+    from hyla.serve.session import RunnerState
 
     if not prompt:
         raise ValueError("prompt must be non-empty text")
     check_sampling(args)
     gen = torch.Generator(device=model.anchor.device).manual_seed(args.seed)
-    new = list(stream_tokens(model, model.new_state(), tok.encode(prompt), args.max_tokens,
+    # the serving runner's decode step (KV read in place, last-row logits)
+    new = list(stream_tokens(model, RunnerState(model), tok.encode(prompt), args.max_tokens,
                              temperature=args.temperature, top_k=args.top_k,
                              top_p=getattr(args, "top_p", 1.0), generator=gen,
                              stop_ids=stop_ids(tok), timing=timing))

@@ -4,6 +4,7 @@ hyla.model.formats.hf / hyla.model.formats.fla.
 Example:
     $ hyla export --format llama runs/teacher runs/teacher-hf
     $ hyla export --format fla runs/student runs/student-fla
+    $ hyla distill --teacher smollm2 --out runs/student         # the window-gla recipe
     $ hyla distill --teacher runs/teacher-hf --layers GGGAGGGA --out runs/student
     $ hyla distill --resume runs/student
 """
@@ -17,14 +18,27 @@ from rich.console import Console
 
 from hyla.cli.common import SOURCE_HELP
 from hyla.train.config import OPTIMIZERS
-from hyla.train.distill_config import DistillConfig
+from hyla.train.distill_config import LAYER_RANKINGS, DistillConfig
+from hyla.train.distill_recipes import DEFAULT_RECIPE, RECIPE_FIELDS, RECIPES
 
 _NONE_DEFAULT_TYPES = {"student_kv_heads": int, "stage1_seq_len": int, "data": str,
-                       "eval_data": str}
+                       "eval_data": str, "report_tokens": int, "report_trials": int,
+                       "report_tasks": str, "include_path": str, "lr": float,
+                       **{f: int for f in RECIPE_FIELDS if f != "lr"}}
+_CHOICES = {"optimizer": OPTIMIZERS, "recipe": tuple(RECIPES), "layer_ranking": LAYER_RANKINGS}
 _HELP = {
     "teacher": "an all-attention model: " + SOURCE_HELP,
-    "layers": "the student's layer mix, one registered mixer letter (G, A, D, K) per teacher "
-              "layer",
+    "recipe": "what the student is and how it trains; each flag below overrides one part: "
+              + "; ".join(f"{r.name}: {r.summary}" for r in RECIPES.values())
+              + " (default: %(default)s)",
+    "layers": "the student's layer mix: auto (auto:N with N a quarter of the teacher's "
+              "layers), auto:N (the teacher keeps the N attention layers it ranks highest, "
+              "the rest the recipe's linear letter), linear (every layer the recipe's linear "
+              "letter), or a pattern of one mixer letter (G, A, D, K) per teacher layer "
+              "(default: %(default)s)",
+    "layer_ranking": "how --layers auto ranks the teacher's layers: probes (induction + "
+                     "reach) or kl (the vocabulary KL each restored attention layer removes) "
+                     "(default: %(default)s)",
     "student_kv_heads": "KV heads of the student's A layers, dividing the teacher's "
                         "(default: the teacher's)",
     "stage1_steps": "attention-transfer steps (teacher frozen, layer by layer)",
@@ -32,16 +46,26 @@ _HELP = {
     "seq_len": "tokens a block in stage 2 (and validation)",
     "stage1_seq_len": "tokens a block in stage 1 (default: --seq-len)",
     "out": "run directory (checkpoints, metrics.jsonl, report.json)",
-    "window": "the student's G layers as linearised attention: exact softmax over the last "
-              "WINDOW tokens (and the first --sinks) beside a GLA branch; 0: plain GLA layers",
+    "window": "the student's linear layers as linearised attention: exact softmax over the "
+              "last WINDOW tokens (and the first --sinks) beside the recurrent branch; 0: "
+              "plain linear layers",
     "sinks": "with --window: first tokens of each document every query also sees",
     "lora_rank": "stage 2: LoRA of this rank on the mixers' q/k/v/o (0: full tuning)",
     "lora_alpha": "stage 2: LoRA scale numerator (the update is alpha / rank * B A)",
     "eval_every": "also print held-out perplexity every this many steps (0: at each stage's "
                   "end)",
     "autocast": "bf16 autocast: auto (where bf16 matmuls are fast), bf16 or off",
-    "report_tokens": "held-out tokens a perplexity of report.json (0: no report)",
-    "report_trials": "passkey trials a context length in report.json",
+    "report_tokens": "held-out tokens a perplexity of report.json, 0: no report (default: "
+                     "4096, 16384 with --full-report)",
+    "report_trials": "passkey trials a context length in report.json (default: 2, 8 with "
+                     "--full-report)",
+    "full_report": "report.json at 512 and 2,048 tokens with passkey at 1K and 2K (the "
+                   "default report: 512 tokens, passkey at 1K; or run hyla eval compare "
+                   "TEACHER STUDENT later)",
+    "report_tasks": "comma-separated lm-eval tasks scored on teacher and student in "
+                    "report.json (default: none)",
+    "include_path": "a folder of local lm-eval task YAML files for --report-tasks (default: "
+                    "none)",
     "eval_data": "held-out text of the report (default: the stdlib validation split)",
     "data": "training text: a file, a folder, .jsonl or .parquet (default: the embedded "
             "stdlib corpus)",
@@ -81,9 +105,12 @@ def add_distill(sub) -> argparse.ArgumentParser:
         helptext = _HELP.get(field.name)
         if isinstance(default, bool):
             p.add_argument(flag, action="store_true", help=helptext)
-        elif field.name == "optimizer":
-            p.add_argument(flag, choices=OPTIMIZERS, default=default, help=helptext)
+        elif field.name in _CHOICES:
+            p.add_argument(flag, choices=_CHOICES[field.name], default=default, help=helptext)
         else:
+            if field.name in RECIPE_FIELDS:
+                value = RECIPES[DEFAULT_RECIPE].settings()[field.name]
+                helptext = f"{helptext} (default: from --recipe; {DEFAULT_RECIPE}: {value})"
             kind = _NONE_DEFAULT_TYPES.get(field.name, type(default))
             p.add_argument(flag, type=kind, default=default, help=helptext)
     p.add_argument("--resume", default=None, metavar="DIR",
@@ -117,16 +144,15 @@ def cmd_distill(args: argparse.Namespace, out: Console) -> int:
     from hyla.train.distill import Distiller
 
     if args.resume:
-        distiller = Distiller(resume=args.resume)
+        distiller = Distiller(resume=args.resume, log=out.print)
     else:
         names = {f.name for f in dataclasses.fields(DistillConfig)}
         cfg = DistillConfig(**{k: v for k, v in vars(args).items() if k in names})
-        distiller = Distiller(cfg)
+        distiller = Distiller(cfg, log=out.print)
     cfg, student = distiller.cfg, distiller.model
     out.print(f"distilling {cfg.teacher} ({distiller.teacher.num_parameters():,} parameters) "
-              f"into [bold]{student.cfg.layers}[/] ({student.num_parameters():,}, "
-              f"{student.cfg.n_kv_heads} KV heads) -> {distiller.out}; stage 1 trains layers "
-              f"{distiller.transfer or 'none'}")
+              f"into {student.num_parameters():,} parameters, {student.cfg.n_kv_heads} KV "
+              f"heads -> {distiller.out}")
     record = distiller.fit(progress=not args.no_progress)
     out.print(f"step {record['step']} (stage {record['stage']}): validation loss "
               f"{record.get('val_loss', float('nan')):.3f}; checkpoint in {distiller.out}")

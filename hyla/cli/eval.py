@@ -6,6 +6,9 @@ Example:
     $ hyla eval needle --checkpoint runs/quickstart --context 1K,4K
     $ hyla eval ppl --checkpoint runs/quickstart --json
     $ hyla eval harness --checkpoint model.gguf --tasks my_task --include-path tasks/
+    $ hyla eval make-mc man --out tasks/ --items 80
+    $ hyla eval compare smollm2 runs/distill --tasks heldout_mc --include-path tasks/ \
+          --recall-pairs 2,8,32
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 
 from rich.console import Console
 from rich.table import Table
 
 from hyla.cli.common import SOURCE_HELP, Parser, add_allow_nonfinite, positive, torch_threads
+from hyla.cli.model_flags import add_quantize, apply_quantize
 
 
 def add_eval(sub) -> argparse.ArgumentParser:
@@ -62,6 +67,10 @@ def add_eval(sub) -> argparse.ArgumentParser:
                    help="torch CPU threads (default: 1 for the synthetic sweep, every core "
                         "for --checkpoint)")
     add_allow_nonfinite(p)
+    p.add_argument("--jobs", type=positive, default=None,
+                   help="synthetic sweep: models trained at once, each in its own process "
+                        "with one thread (default: the CPU cores)")
+    add_quantize(p)
     p.set_defaults(func=cmd_eval_recall)
 
     p = evals.add_parser("needle", help="passkey retrieval by context length and depth")
@@ -74,6 +83,7 @@ def add_eval(sub) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="folder for needle.json and needle.png "
                    "(default: the checkpoint directory, or needle-NAME for other sources)")
     add_allow_nonfinite(p)
+    add_quantize(p)
     p.set_defaults(func=cmd_needle)
 
     p = evals.add_parser("ppl", help="validation perplexity of a checkpoint")
@@ -85,6 +95,7 @@ def add_eval(sub) -> argparse.ArgumentParser:
                    help="score at most this many tokens of the data")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_allow_nonfinite(p)
+    add_quantize(p)
     p.set_defaults(func=cmd_ppl)
 
     p = evals.add_parser("harness", help="EleutherAI lm-evaluation-harness tasks, in process "
@@ -102,7 +113,9 @@ def add_eval(sub) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="folder for lm-eval's results.json")
     p.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
     add_allow_nonfinite(p)
+    add_quantize(p)
     p.set_defaults(func=cmd_harness)
+    add_compare(evals)
     return group
 
 
@@ -114,6 +127,10 @@ def cmd_eval_recall(args: argparse.Namespace, out: Console) -> int:
 
     if args.checkpoint is not None:
         return cmd_text_recall(args, out)
+    if args.quantize != "none":
+        raise ValueError(f"--quantize {args.quantize}: the synthetic recall sweep trains its "
+                         "models, and quantised weights are for inference only; use it with "
+                         "--checkpoint")
     from hyla.eval.recall import best_records, recall_preset, run_recall
     from hyla.eval.recall_plot import plot_recall, write_recall
     from hyla.perf import machine_info, print_table
@@ -128,7 +145,8 @@ def cmd_eval_recall(args: argparse.Namespace, out: Console) -> int:
           f"seed {args.seed}")
     start = time.perf_counter()
     with torch_threads(args.threads or 1):
-        records = run_recall(p, seed=args.seed, progress=lambda line: out.print(line))
+        records = run_recall(p, seed=args.seed, progress=lambda line: out.print(line),
+                             jobs=args.jobs or os.cpu_count() or 1)
     seconds = time.perf_counter() - start
     best = best_records(records)
     write_recall(records, args.out, preset=dataclasses.asdict(p), seed=args.seed,
@@ -166,6 +184,7 @@ def cmd_text_recall(args: argparse.Namespace, out: Console) -> int:
     start, cpu = time.perf_counter(), time.process_time()
     with torch_threads(args.threads):
         model, tok = load_source(args.checkpoint)
+        apply_quantize(model, args, out)
         loaded = time.perf_counter() - start
         records = text_recall(model, tok, pairs, contexts=contexts, limit=args.limit,
                               queries=args.queries, seed=args.seed,
@@ -199,6 +218,7 @@ def cmd_needle(args: argparse.Namespace, out: Console) -> int:
         raise ValueError(f"depths must be comma-separated numbers in [0, 1], got "
                          f"{args.depths!r}") from e
     model, tok = load_source(args.checkpoint)
+    apply_quantize(model, args, out)
     records = needle_eval(model, tok, contexts, depths, trials=args.trials, seed=args.seed)
     table = Table(title=f"passkey retrieval accuracy ({args.trials} trials a cell)")
     table.add_column("depth")
@@ -223,6 +243,7 @@ def cmd_ppl(args: argparse.Namespace, out: Console) -> int:
     from hyla.model.load import load_model as load_source
 
     model, tok = load_source(args.checkpoint)
+    apply_quantize(model, args, None if args.json else out)
     r = perplexity(model, tok, args.data, seq_len=args.seq_len, max_tokens=args.max_tokens)
     if args.json:
         print(json.dumps(r))
@@ -248,10 +269,17 @@ def cmd_harness(args: argparse.Namespace, out: Console) -> int:
     if limit is not None and limit >= 1:
         limit = int(limit)
     with torch_threads(args.threads):
+        model = tok = None
+        if args.quantize != "none":
+            from hyla.model.load import load_model as load_source
+
+            model, tok = load_source(args.checkpoint)
+            apply_quantize(model, args, out)
         try:
             results = run_harness(args.checkpoint, tasks, include_path=args.include_path,
                                   limit=limit, batch_size=args.batch_size,
-                                  num_fewshot=args.num_fewshot, out=args.out)
+                                  num_fewshot=args.num_fewshot, out=args.out,
+                                  model=model, tokenizer=tok)
         except (RuntimeError, FileNotFoundError) as e:  # no network, a missing data file
             raise ValueError(f"{e} (a task's data_files are relative to the current "
                              "directory)" if isinstance(e, FileNotFoundError) else str(e)
@@ -259,4 +287,147 @@ def cmd_harness(args: argparse.Namespace, out: Console) -> int:
     print(make_table(results))
     if args.out:
         out.print(f"wrote {pathlib.Path(args.out) / 'results.json'}")
+    return 0
+
+
+def add_compare(evals) -> None:
+    """``hyla eval compare TEACHER STUDENT`` and ``hyla eval make-mc SOURCE``."""
+    p = evals.add_parser("compare", help="teacher and student side by side: perplexity, "
+                                         "passkey, lm-eval task accuracy, recall by load")
+    p.add_argument("teacher", metavar="TEACHER", help="the reference model: " + SOURCE_HELP)
+    p.add_argument("student", metavar="STUDENT", help="the model compared with it (e.g. a "
+                                                      "hyla distill run directory)")
+    p.add_argument("--tasks", default="",
+                   help="comma-separated lm-eval tasks, installed ones by name or local ones "
+                        "under --include-path (default: none)")
+    p.add_argument("--include-path", default=None,
+                   help="folder of local task YAML files, e.g. from hyla eval make-mc "
+                        "(default: none)")
+    p.add_argument("--limit", type=positive, default=None,
+                   help="documents scored per task (default: all)")
+    p.add_argument("--recall-pairs", default=None,
+                   help="comma-separated loads of the text key-value recall, e.g. 2,8,32 "
+                        "(default: no recall)")
+    p.add_argument("--recall-limit", type=positive, default=16,
+                   help="questions a recall load (default: %(default)s)")
+    p.add_argument("--ppl-tokens", type=positive, default=4096,
+                   help="held-out tokens of perplexity (default: %(default)s; --full: 16384)")
+    p.add_argument("--full", action="store_true",
+                   help="the full report: 16K perplexity tokens and 8 passkeys a length "
+                        "(default: off, 2 passkeys a length)")
+    p.add_argument("--data", default=None,
+                   help="held-out text for perplexity (default: the stdlib validation split)")
+    p.add_argument("--out", default="compare_results",
+                   help="folder for compare.json and the recall plots (default: %(default)s)")
+    p.add_argument("--threads", type=positive, default=None,
+                   help="torch CPU threads (default: torch's, every core)")
+    add_allow_nonfinite(p)
+    p.set_defaults(func=cmd_compare)
+
+    from hyla.eval.heldout_mc import MAN_PAGES
+
+    p = evals.add_parser("make-mc", help="a held-out 4-way multiple-choice lm-eval task from "
+                                         "plain prose (question: a paragraph's opening, "
+                                         "answer: its next sentence)")
+    p.add_argument("source", metavar="SOURCE",
+                   help="man (the manual pages " + ", ".join(MAN_PAGES[:6]) + ", ...), "
+                        "man:PAGE,PAGE, a text file, or a folder of .txt/.md/.rst files")
+    p.add_argument("--out", required=True,
+                   help="folder for NAME.yaml, NAME.jsonl, NAME.meta.json (required)")
+    p.add_argument("--items", type=positive, default=80,
+                   help="questions in the task (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the paragraph and distractor draw (default: %(default)s)")
+    p.add_argument("--name", default="heldout_mc",
+                   help="task name, letters, digits and _ (default: %(default)s)")
+    p.set_defaults(func=cmd_make_mc)
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} must be comma-separated positive ints (e.g. 2,8,32), "
+                         f"got {text!r}")
+    return values
+
+
+def compare_rows(r: dict) -> list[dict]:
+    """The rows of ``hyla eval compare``'s table: one a measure, teacher / student / ratio."""
+    t, s = r["teacher"]["report"], r["student"]["report"]
+
+    def row(measure, a, b, ratio=None):
+        if ratio is None and isinstance(a, int | float) and isinstance(b, int | float) and a:
+            ratio = b / a
+        return {"measure": measure, "teacher": a, "student": b,
+                "student/teacher": "" if ratio is None else f"{ratio:.3f}"}
+
+    rows = [row(f"perplexity, {n}-token windows", t["perplexity"][n]["perplexity"],
+                s["perplexity"][n]["perplexity"]) for n in t["perplexity"]]
+    for n in t["passkey"]:
+        a, b = t["passkey"][n], s["passkey"][n]
+        rows.append(row(f"passkey at {n} tokens", f"{a['correct']}/{a['trials']}",
+                        f"{b['correct']}/{b['trials']}"))
+    rows.append(row("state bytes a sequence at 8K", t["state_bytes_8k"], s["state_bytes_8k"]))
+    rows.append(row("parameters", t["parameters"], s["parameters"]))
+    for k in r["skills"]:
+        rows.append(row(f"{k['task']} ({k['metric']}, {k['samples']} docs)", k["teacher"],
+                        k["student"], k["ratio"]))
+    for k in r["recall"]:
+        rows.append(row(f"recall at {k['num_kv_pairs']} pairs ({k['queries']} questions)",
+                        k["teacher"], k["student"], k["ratio"]))
+    return rows
+
+
+def cmd_compare(args: argparse.Namespace, out: Console) -> int:
+    from hyla.eval.compare import compare_models
+    from hyla.perf import machine_info, print_table
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    pairs = _int_list(args.recall_pairs, "--recall-pairs") if args.recall_pairs else None
+    if tasks:
+        try:
+            import hyla.eval.harness  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"--tasks: {e}") from None
+    with torch_threads(args.threads):
+        try:
+            r = compare_models(args.teacher, args.student, tasks=tasks,
+                               include_path=args.include_path, limit=args.limit,
+                               recall_pairs=pairs, recall_limit=args.recall_limit,
+                               ppl_tokens=args.ppl_tokens, full=args.full, data=args.data,
+                               progress=lambda line: out.print(line))
+        except (RuntimeError, FileNotFoundError) as e:  # no network, a missing data file
+            raise ValueError(f"{e} (a task's data_files are relative to the current "
+                             "directory)" if isinstance(e, FileNotFoundError) else str(e)
+                             ) from None
+    folder = pathlib.Path(args.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    r = {"teacher_source": str(args.teacher), "student_source": str(args.student), **r,
+         "machine": machine_info()}
+    (folder / "compare.json").write_text(json.dumps(r, indent=1, default=str) + "\n")
+    print_table(f"{r['student']['name']} ({r['student']['layers']}) against "
+                f"{r['teacher']['name']}", compare_rows(r), console=out)
+    wrote = [folder / "compare.json"]
+    if r["recall"]:
+        from hyla.eval.recall_plot import plot_recall
+
+        wrote += plot_recall(r["teacher"]["recall"] + r["student"]["recall"], folder,
+                             title="key-value recall in text: teacher and student")
+    out.print("wrote " + ", ".join(str(p) for p in wrote))
+    return 0
+
+
+def cmd_make_mc(args: argparse.Namespace, out: Console) -> int:
+    from hyla.eval.heldout_mc import make_mc
+
+    meta = make_mc(args.source, args.out, items=args.items, seed=args.seed, name=args.name)
+    out.print(f"{meta['items']} items of {meta['choices']} choices from "
+              f"{len(meta['documents'])} document(s) of {args.source} (seed {args.seed}, "
+              f"sha256 {meta['sha256'][:12]}); wrote {args.out}/{args.name}.yaml, "
+              f".jsonl, .meta.json")
+    out.print(f"run: hyla eval harness --checkpoint MODEL --tasks {args.name} "
+              f"--include-path {args.out}")
     return 0

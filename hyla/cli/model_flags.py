@@ -64,3 +64,12 @@ def add_kv_cache_memory(p: argparse.ArgumentParser) -> None:
                    help="bytes for the attention layers' paged KV cache (2G, 512MB, or a "
                         "fraction of RAM such as 0.1); at least one --max-model-len sequence "
                         "(default: enough for --max-num-seqs full-length sequences)")
+
+
+def add_kv_cache_dtype(p: argparse.ArgumentParser) -> None:
+    # the names of hyla.serve.engine.KV_DTYPES (not imported: building the parser stays light)
+    p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="dtype of the attention layers' paged KV cache, choices auto, "
+                        "float32, bfloat16; auto: the model's (--dtype), so outputs are "
+                        "exactly the model's; bfloat16 under a float32 model halves the "
+                        "cache's bytes (default: %(default)s)")

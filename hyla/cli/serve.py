@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 
 from rich.console import Console
 
@@ -34,7 +35,12 @@ from hyla.cli.common import (
     speed_line,
     torch_threads,
 )
-from hyla.cli.model_flags import add_kv_cache_memory, add_quantize, apply_quantize
+from hyla.cli.model_flags import (
+    add_kv_cache_dtype,
+    add_kv_cache_memory,
+    add_quantize,
+    apply_quantize,
+)
 
 
 def add_generate(sub) -> argparse.ArgumentParser:
@@ -119,6 +125,7 @@ def add_serve(sub) -> argparse.ArgumentParser:
     add_allow_nonfinite(p)
     add_quantize(p)
     add_kv_cache_memory(p)
+    add_kv_cache_dtype(p)
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -178,7 +185,6 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
     from hyla.serve.async_engine import AsyncEngine
     from hyla.serve.engine import Engine, EngineConfig
     from hyla.serve.http_guard import ServerLimits, server_config
-    from hyla.serve.sequence import SamplingParams
 
     if not 0 < args.port < 65536:
         raise ValueError(f"port must be in [1, 65535], got {args.port}")
@@ -191,19 +197,17 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=not args.no_prefix_caching,
                           kv_cache_memory=args.kv_cache_memory,
+                          kv_cache_dtype=args.kv_cache_dtype,
                           compile=args.compile, cuda_graphs=args.cuda_graphs)
     engine = Engine(model, tok, config)
     if engine.kv_cache_bytes:
-        out.print(f"KV cache: {engine.scheduler.config.num_kv_blocks} blocks of "
-                  f"{config.block_size} tokens, {format_bytes(engine.kv_cache_bytes)} reserved")
-    if args.compile or args.cuda_graphs:
-        # Every decode shape compiled (captured) now, so no request ever waits on it.
-        built = engine.warmup()
-        out.print(f"compiled {built} decode graphs, captured {engine.runner.num_captures} "
-                  f"CUDA graphs")
-    # One tiny request before the first client's: first-call costs (allocator, kernels)
-    # don't land on its time to first token.
-    engine.generate([[0]], SamplingParams(max_tokens=2, temperature=0))
+        blocks = engine.scheduler.config.num_kv_blocks
+        dtype = str(engine.runner.kv_dtype).removeprefix("torch.")
+        lazy = "; in memory as blocks fill" if engine.runner.device.type == "cpu" else ""
+        out.print(f"KV cache: {blocks} blocks of {config.block_size} tokens in {dtype}, "
+                  f"{format_bytes(engine.kv_cache_bytes)} reserved "
+                  f"({blocks * config.block_size // args.max_model_len} full-length "
+                  f"sequences{lazy})")
     dead: list[BaseException] = []
     server: list = []
 
@@ -217,8 +221,9 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
     limits = ServerLimits(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                           keep_alive_timeout=args.keep_alive_timeout,
                           max_connections=args.max_connections)
+    ready = threading.Event()       # /health says "starting" and requests wait until set
     app = create_app(async_engine, model_name=name, api_key=key, body_timeout=limits.body_timeout,
-                     max_body_bytes=args.max_body_bytes)
+                     max_body_bytes=args.max_body_bytes, ready=ready)
     base = f"http://{args.host}:{args.port}"
     out.print(f"Serving [bold]{name}[/] on {base}/v1 (max {args.max_num_seqs} sequences, "
               f"context {args.max_model_len}, {'compiled' if args.compile else 'eager'} "
@@ -226,6 +231,8 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
     server.append(uvicorn.Server(server_config(
         app, args.host, args.port, limits, log_level=args.log_level,
         timeout_graceful_shutdown=3)))
+    threading.Thread(target=warm_up, args=(async_engine, args, out, ready, on_dead),
+                     name="hyla-warmup", daemon=True).start()
     try:
         server[0].run()
     finally:
@@ -234,6 +241,37 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
         out.print(f"[red]the engine failed for good: {dead[0]!r}[/]")
         return 1
     return 0
+
+
+def warm_up(async_engine, args: argparse.Namespace, out: Console, ready: threading.Event,
+            on_failure) -> None:
+    """The server's warm-up, on its own thread while ``/health`` says "starting" (requests
+    wait for ``ready``): with ``--compile`` / ``--cuda-graphs`` every decode shape compiled
+    (captured), so no request waits on it; then one tiny request, so first-call costs
+    (allocator, kernels) land on no client's time to first token. A failure ends the server
+    (``on_failure``)."""
+    import asyncio
+
+    from hyla.serve.metrics import EngineMetrics
+    from hyla.serve.sequence import SamplingParams
+
+    engine = async_engine.engine
+
+    async def tiny() -> None:
+        async for _ in async_engine.generate([0], SamplingParams(max_tokens=2, temperature=0)):
+            pass
+    try:
+        if args.compile or args.cuda_graphs:
+            # on the runner only (padding slot and block): no request is in the engine yet
+            built = engine.warmup()
+            out.print(f"compiled {built} decode graphs, captured {engine.runner.num_captures} "
+                      f"CUDA graphs")
+        asyncio.run(tiny())             # through the engine thread, as every request
+        async_engine.metrics = EngineMetrics()      # the warm-up was no client's request
+    except BaseException as e:  # noqa: BLE001 - the server cannot serve: it exits
+        on_failure(e)
+        return
+    ready.set()
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:

@@ -19,6 +19,7 @@ under ``include_path``), results as ``lm-eval`` writes them plus its table.
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 
@@ -189,28 +190,60 @@ class HylaEvalLM(TemplateLM):
         return texts
 
 
-def run_harness(checkpoint: str, tasks: list[str], *, include_path: str | None = None,
+def task_manager(tasks: list[str], include_path: str | None = None):
+    """``lm-eval``'s TaskManager that knows every one of ``tasks``: the local ones under
+    ``include_path`` alone when they are all there (indexing lm-eval's thousands of tasks
+    takes seconds), lm-eval's own otherwise. A task in neither: ValueError naming it and
+    ``--include-path``."""
+    from lm_eval.tasks import TaskManager
+
+    if not tasks:
+        raise ValueError("no task given: name lm-eval tasks or local ones (--include-path DIR)")
+    if include_path is not None and not pathlib.Path(include_path).is_dir():
+        raise ValueError(f"--include-path {include_path}: no such folder of task YAML files")
+    manager = None
+    if include_path is not None:
+        manager = TaskManager(include_path=include_path, include_defaults=False)
+        if any(t not in manager.all_tasks for t in tasks):
+            manager = None
+    manager = manager or _full_manager(include_path)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        where = (f"nor under --include-path {include_path}" if include_path else
+                 "(a local task: add --include-path DIR, the folder of its YAML file)")
+        raise ValueError(f"unknown task(s) {', '.join(unknown)}: not an installed lm-eval "
+                         f"task {where}")
+    return manager
+
+
+@functools.lru_cache(maxsize=4)
+def _full_manager(include_path: str | None):
+    """lm-eval's whole index (and ``include_path``'s tasks): built once a process, since
+    compare and report.json ask it for the teacher and then the student."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path)
+
+
+def run_harness(checkpoint, tasks: list[str], *, include_path: str | None = None,
                 limit: int | float | None = None, batch_size: int = 8,
                 num_fewshot: int | None = None, out: str | pathlib.Path | None = None,
                 model=None, tokenizer=None, log_samples: bool = False) -> dict:
     """Run ``lm-eval``'s ``tasks`` on a model in process; returns ``lm-eval``'s results dict
-    (and writes it as ``results.json`` under ``out``). Tasks that need a download with no
+    (and writes it as ``results.json`` under ``out``).
+
+    ``checkpoint`` is a :func:`~hyla.model.load_model` source, or a model already in memory
+    (then ``tokenizer`` is needed; ``model=`` says the same). A task neither installed nor
+    under ``include_path``: ValueError naming it. Tasks that need a download with no
     network raise a RuntimeError saying so."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
     from lm_eval.utils import handle_non_serializable
 
-    manager = None
-    if include_path is not None:    # indexing lm-eval's thousands of tasks takes a minute
-        manager = TaskManager(include_path=include_path, include_defaults=False)
-        if any(t not in manager.all_tasks for t in tasks):
-            manager = None
-    manager = manager or TaskManager(include_path=include_path)
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    if unknown:
-        where = f" or under {include_path}" if include_path else " (add --include-path DIR)"
-        raise ValueError(f"unknown task(s) {', '.join(unknown)}: not in lm-eval{where}")
-    lm = HylaEvalLM(checkpoint, model=model, tokenizer=tokenizer, batch_size=batch_size)
+    if checkpoint is not None and not isinstance(checkpoint, str | pathlib.PurePath):
+        model, checkpoint = checkpoint, None          # a model object
+    manager = task_manager(tasks, include_path)
+    lm = HylaEvalLM(None if checkpoint is None else str(checkpoint), model=model,
+                    tokenizer=tokenizer, batch_size=batch_size)
     try:
         results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
                                   num_fewshot=num_fewshot, log_samples=log_samples,

@@ -227,8 +227,37 @@ def _state_bytes(p: RecallPreset, cfg: HylaConfig, seq_len: int) -> int:
     return state_bytes(cfg, seq_len, kv_dtype=torch.float32)["total"] + conv
 
 
+def train_and_test(p: RecallPreset, layers: str, lr: float, seed: int,
+                   threads: int | None = None) -> list[dict]:
+    """Train one ``layers`` model at ``lr`` and score it at every test shape of ``p``: one
+    record per test shape (see :func:`run_recall`; ``best`` is left False). ``threads``: torch
+    threads for this call (a worker process of a parallel sweep runs one)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    cfg = p.config(layers)
+    start, cpu = time.perf_counter(), time.process_time()
+    model, loss = train_model(p, layers, lr, seed)
+    seconds = time.perf_counter() - start
+    # CPU seconds of this process: close to the wall time of an idle machine when
+    # one thread runs, whatever else shares the cores.
+    cpu = time.process_time() - cpu
+    params = sum(q.numel() for q in model.parameters())
+    rows = []
+    for i, (seq_len, pairs) in enumerate(p.test):
+        acc = accuracy(model, seq_len, pairs, p.test_examples, seed=seed * 101 + i,
+                       random_filler=p.random_filler)
+        rows.append({"mixer": layers, "description": DESCRIPTIONS.get(layers, layers),
+                     "seq_len": seq_len, "num_kv_pairs": pairs, "accuracy": acc,
+                     "state_bytes": _state_bytes(p, cfg, seq_len),
+                     "lr": lr, "seed": seed, "d_model": p.d_model, "params": params,
+                     "train_steps": p.train_steps, "final_loss": loss,
+                     "train_seconds": round(seconds, 1),
+                     "train_cpu_seconds": round(cpu, 1), "best": False})
+    return rows
+
+
 def run_recall(p: RecallPreset, seed: int = 0,
-               progress: Callable[[str], None] | None = None) -> list[dict]:
+               progress: Callable[[str], None] | None = None, jobs: int = 1) -> list[dict]:
     """Train and test every mixer at every lr of ``p``; one record per (mixer, lr, test shape).
 
     Records carry ``mixer`` (the layer string), ``description``, ``seq_len``,
@@ -236,41 +265,46 @@ def run_recall(p: RecallPreset, seed: int = 0,
     ``params``, ``train_steps``, ``final_loss``, ``train_seconds`` (wall),
     ``train_cpu_seconds`` (this process's CPU time) and ``best`` (True for
     the lr with the highest mean accuracy of that mixer: the one to report).
+
+    ``jobs > 1`` trains that many models at once, each in its own process with one torch
+    thread: these models are too small for two threads to share one matmul well, so separate
+    trainings use the cores better. Results do not depend on ``jobs`` (each training seeds
+    itself).
     """
+    runs = [(layers, lr) for layers in p.mixers for lr in p.lrs_for(layers)]
+    done: dict[tuple[str, float], list[dict]] = {}
+
+    def report(key: tuple[str, float], rows: list[dict]) -> None:
+        done[key] = rows
+        if progress is not None:
+            mean = sum(r["accuracy"] for r in rows) / len(rows)
+            progress(f"{key[0]} lr={key[1]:g}: loss {rows[0]['final_loss']:.3f}, mean accuracy "
+                     f"{mean:.3f} ({rows[0]['train_seconds']:.0f} s, "
+                     f"{rows[0]['train_cpu_seconds']:.0f} CPU s)")
+
+    if jobs > 1 and len(runs) > 1:
+        import concurrent.futures
+        import multiprocessing
+
+        # spawn, not fork: a forked child of a process whose OpenMP pool already ran can hang
+        with concurrent.futures.ProcessPoolExecutor(
+                max_workers=min(jobs, len(runs)),
+                mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(train_and_test, p, layers, lr, seed, 1): (layers, lr)
+                       for layers, lr in runs}
+            for future in concurrent.futures.as_completed(futures):
+                report(futures[future], future.result())
+    else:
+        for layers, lr in runs:
+            report((layers, lr), train_and_test(p, layers, lr, seed))
     records: list[dict] = []
     for layers in p.mixers:
-        cfg = p.config(layers)
-        by_lr: dict[float, list[dict]] = {}
         lrs = p.lrs_for(layers)
+        best = max(lrs, key=lambda lr: sum(r["accuracy"] for r in done[layers, lr]))
         for lr in lrs:
-            start, cpu = time.perf_counter(), time.process_time()
-            model, loss = train_model(p, layers, lr, seed)
-            seconds = time.perf_counter() - start
-            # CPU seconds of this process: close to the wall time of an idle machine when
-            # one thread runs, whatever else shares the cores.
-            cpu = time.process_time() - cpu
-            params = sum(q.numel() for q in model.parameters())
-            rows = []
-            for i, (seq_len, pairs) in enumerate(p.test):
-                acc = accuracy(model, seq_len, pairs, p.test_examples, seed=seed * 101 + i,
-                               random_filler=p.random_filler)
-                rows.append({"mixer": layers, "description": DESCRIPTIONS.get(layers, layers),
-                             "seq_len": seq_len, "num_kv_pairs": pairs, "accuracy": acc,
-                             "state_bytes": _state_bytes(p, cfg, seq_len),
-                             "lr": lr, "seed": seed, "d_model": p.d_model, "params": params,
-                             "train_steps": p.train_steps, "final_loss": loss,
-                             "train_seconds": round(seconds, 1),
-                             "train_cpu_seconds": round(cpu, 1), "best": False})
-            by_lr[lr] = rows
-            if progress is not None:
-                mean = sum(r["accuracy"] for r in rows) / len(rows)
-                progress(f"{layers} lr={lr:g}: loss {loss:.3f}, mean accuracy {mean:.3f} "
-                         f"({seconds:.0f} s, {cpu:.0f} CPU s)")
-        best = max(lrs, key=lambda lr: sum(r["accuracy"] for r in by_lr[lr]))
-        for lr in lrs:
-            for r in by_lr[lr]:
+            for r in done[layers, lr]:
                 r["best"] = lr == best
-            records.extend(by_lr[lr])
+            records.extend(done[layers, lr])
     return records
 
 

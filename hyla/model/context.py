@@ -41,6 +41,9 @@ class Context:
     token_blocks: torch.Tensor | None = None   # the block and offset each new token's row
     token_offsets: torch.Tensor | None = None  #   goes to in a growing buffer
     logits_at: torch.Tensor | None = None      # rows to compute logits for (None: all)
+    # decode, eager: (first block, rows) a sequence when each one's blocks are consecutive,
+    # so attention reads its rows as a view of the paged buffer instead of gathering them
+    kv_spans: tuple[tuple[int, int], ...] | None = None
 
     # -- builders ------------------------------------------------------------------------
     @classmethod
@@ -88,15 +91,17 @@ class Context:
     @classmethod
     def decode(cls, slots: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                buffers: list[dict[str, torch.Tensor]], *, block_size: int,
-               slot_span: slice | None = None) -> Context:
+               slot_span: slice | None = None,
+               kv_spans: tuple[tuple[int, int], ...] | None = None) -> Context:
         """One token for each of B sequences: token b at ``positions[b]`` (the tokens its
         state already holds), state in row ``slots[b]``, blocks ``block_tables[b]`` [B, nb]
-        (padded). Tensors only, so ``torch.compile`` traces it without graph breaks."""
+        (padded). Tensors only, so ``torch.compile`` traces it without graph breaks.
+        ``kv_spans`` (eager only): :attr:`kv_spans`, which :meth:`span_rows` reads."""
         rows = torch.arange(positions.shape[0], device=positions.device)
         blocks = block_tables[rows, positions // block_size] if block_tables.shape[1] else None
         return cls("decode", positions, None, buffers, slots=slots, slot_span=slot_span,
                    block_tables=block_tables, block_size=block_size, token_blocks=blocks,
-                   token_offsets=positions % block_size)
+                   token_offsets=positions % block_size, kv_spans=kv_spans)
 
     # -- state access for mixers -----------------------------------------------------------
     def load_fixed(self, buf: torch.Tensor) -> torch.Tensor:
@@ -116,6 +121,10 @@ class Context:
 
     def append_rows(self, buf: torch.Tensor, rows: torch.Tensor) -> None:
         """Store this step's new tokens' rows [tokens, *shape] in a paged growing buffer."""
+        if self.kv_spans is not None:       # decode, places known as ints: plain row copies
+            for b, (first, n) in enumerate(self.kv_spans):
+                buf[first + (n - 1) // self.block_size, (n - 1) % self.block_size].copy_(rows[b])
+            return
         buf[self.token_blocks, self.token_offsets] = rows.to(buf.dtype)
 
     def sequence_rows(self, buf: torch.Tensor, j: int, n: int, first: int = 0) -> torch.Tensor:
@@ -127,6 +136,12 @@ class Context:
         """Decode: every sequence's blocks, concatenated: [B, blocks * block_size, *shape]
         (rows past a sequence's length are padding: mask them by ``positions``)."""
         return buf[self.block_tables].flatten(1, 2)
+
+    def span_rows(self, buf: torch.Tensor, b: int) -> torch.Tensor:
+        """Decode with :attr:`kv_spans`: sequence ``b``'s rows of a paged growing buffer,
+        [rows, *shape], a view (no copy) of its consecutive blocks."""
+        first, rows = self.kv_spans[b]
+        return buf[first:first + -(-rows // self.block_size)].flatten(0, 1)[:rows]
 
 
 def _span(slots: list[int]) -> slice | None:

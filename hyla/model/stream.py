@@ -8,6 +8,10 @@ layers in their KV rows, so a chat's next turn reads only its own new tokens.
 The sampling is :func:`hyla.model.generate.generate`'s (same sampler, same use of the seeded
 generator), so the same seed gives the same tokens.
 
+``state`` may also be any object with ``num_tokens``, ``prefill(ids) -> logits [vocab]`` and
+``decode(token) -> logits [vocab]``: :class:`hyla.serve.session.RunnerState`, the serving
+runner's lean step, is what ``hyla generate`` and ``hyla chat`` pass.
+
 Example:
     >>> import torch
     >>> from hyla.model import HylaLM, preset
@@ -59,7 +63,7 @@ class StreamTiming:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else float("nan")
 
 
-def stream_tokens(model: HylaLM, state: SequenceState, new_ids: list[int],
+def stream_tokens(model: HylaLM, state, new_ids: list[int],
                   max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
                   top_p: float = 1.0, generator: torch.Generator | None = None,
                   stop_ids: tuple[int, ...] | list[int] = (),
@@ -84,11 +88,11 @@ def stream_tokens(model: HylaLM, state: SequenceState, new_ids: list[int],
     timing.prompt_tokens, timing.new_tokens = len(new_ids), 0
     if max_new_tokens == 0:
         return
-    device = model.anchor.device
+    prefill, decode = _steps(model, state)
     stop = set(stop_ids)
     start = time.perf_counter()
     with torch.inference_mode():
-        logits = model.prefill(torch.tensor(new_ids, device=device), state)[-1]
+        logits = prefill(new_ids)
         token = sample_token(logits, temperature, top_k or 0, top_p, generator)
     timing.prompt_s = time.perf_counter() - start
     start = time.perf_counter()
@@ -102,6 +106,20 @@ def stream_tokens(model: HylaLM, state: SequenceState, new_ids: list[int],
         if timing.new_tokens == max_new_tokens:
             return
         with torch.inference_mode():
-            logits = model.decode(torch.tensor([token], device=device), [state])[0]
+            logits = decode(token)
             token = sample_token(logits, temperature, top_k or 0, top_p, generator)
         timing.decode_s = time.perf_counter() - start
+
+
+def _steps(model: HylaLM, state):
+    """(prefill(ids) -> last logits, decode(token) -> logits) over ``state``."""
+    if not isinstance(state, SequenceState):
+        return state.prefill, state.decode
+    device = model.anchor.device
+
+    def prefill(ids: list[int]) -> torch.Tensor:
+        return model.prefill(torch.tensor(ids, device=device), state)[-1]
+
+    def decode(token: int) -> torch.Tensor:
+        return model.decode(torch.tensor([token], device=device), [state])[0]
+    return prefill, decode

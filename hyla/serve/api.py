@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -213,7 +214,8 @@ def engine_error(e: Exception) -> APIError:
 def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                health_check: Callable[[], str | None] | None = None,
-               body_timeout: float = ServerLimits.body_timeout) -> FastAPI:
+               body_timeout: float = ServerLimits.body_timeout,
+               ready: threading.Event | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` as the model ``model_name``.
 
     The caller owns ``engine`` (``engine.shutdown()`` after the server stops). With
@@ -221,7 +223,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     a 413. ``health_check``: another check ``/health`` makes (it returns why the server cannot
     serve, or None). A body not complete ``body_timeout`` seconds after its headers is a
     408; a request with both Content-Length and Transfer-Encoding a 400
-    (:mod:`hyla.serve.http_guard`, which also has the connection-level limits).
+    (:mod:`hyla.serve.http_guard`, which also has the connection-level limits). ``ready``:
+    until it is set (the engine warming up in the background), ``/health`` answers 503
+    ``{"status": "starting"}`` and generation requests wait for it.
     """
     app = FastAPI(title="hyla", description="OpenAI-compatible hybrid GLA/attention LM server")
     tok = engine.engine.tokenizer
@@ -270,9 +274,14 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                 task.cancel()
                 raise _ClientGone
 
+    async def until_ready() -> None:
+        while ready is not None and not ready.is_set():
+            await asyncio.sleep(0.02)
+
     async def run_batch(request: Request, prompts: list[list[int]],
                         params: list[SamplingParams], fmt: Formatter):
         """Several prompts of one request, run together; one choice each."""
+        await until_ready()
         async def collect(i: int) -> Result:
             r, gen = Result(), engine.generate(prompts[i], params[i], f"{fmt.id}-{i}",
                                                group=fmt.id)    # served as one request
@@ -300,6 +309,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
 
     async def run(request: Request, req, ids: list[int], params: SamplingParams,
                   fmt: Formatter):
+        await until_ready()
         gen = engine.generate(ids, params, fmt.id)
         try:
             first = await until_disconnect(request, anext(gen))
@@ -362,6 +372,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
             (health_check() if health_check is not None else None)
         if problem is not None:
             return JSONResponse(body | {"status": "error", "error": problem}, 503)
+        if ready is not None and not ready.is_set():
+            return JSONResponse(body | {"status": "starting"}, 503)
         return body
 
     @app.get("/metrics")

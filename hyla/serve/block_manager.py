@@ -58,13 +58,31 @@ class BlockManager:
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
 
-    def allocate(self, n: int) -> list[int]:
-        """``n`` blocks, each with ref_count 1; raises if fewer are free (check first)."""
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """``n`` blocks, each with ref_count 1; raises if fewer are free (check first).
+
+        ``after``: the last block of the table these extend. The block after it is taken
+        first when it is free (and so on), so a sequence's blocks tend to be consecutive and
+        decode reads them in place as one view (:meth:`hyla.model.Context.span_rows`);
+        otherwise blocks come in reuse order.
+
+        Example:
+            >>> bm = BlockManager(num_blocks=8, block_size=16)
+            >>> a, b = bm.allocate(2), bm.allocate(1)
+            >>> bm.free(a); bm.allocate(1, after=b[0]), bm.allocate(1, after=None)
+            ([3], [4])
+        """
         if n > len(self._free):
             raise ValueError(f"cannot allocate {n} KV blocks: only {len(self._free)} free")
         out = []
         for _ in range(n):
-            block, _ = self._free.popitem(last=False)
+            nxt = None if after is None else after + 1
+            if nxt is not None and nxt in self._free:
+                del self._free[nxt]
+                block = nxt
+            else:
+                block, _ = self._free.popitem(last=False)
+            after = block
             h = self.block_hash[block]
             if h is not None:
                 self.block_hash[block] = None

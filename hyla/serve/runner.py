@@ -27,6 +27,42 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+# Decode batches up to this many sequences read their KV rows in place, one attention call
+# a sequence (:meth:`Context.span_rows`); wider ones gather them into one batched call.
+SPAN_MAX_BATCH = 8
+
+
+def kv_spans(tables: list[list[int]], positions: list[int], block_size: int
+             ) -> tuple[tuple[int, int], ...] | None:
+    """(first block, rows) of each sequence whose blocks up to its new token are
+    consecutive, or None when any is not (then attention gathers the rows).
+
+    Example:
+        >>> kv_spans([[4, 5, 6], [0]], [40, 3], 16), kv_spans([[4, 9]], [20], 16)
+        (((4, 41), (0, 4)), None)
+    """
+    spans = []
+    for table, pos in zip(tables, positions, strict=True):
+        n = pos // block_size + 1
+        first = table[0]
+        if table[:n] != list(range(first, first + n)):
+            return None
+        spans.append((first, pos + 1))
+    return tuple(spans)
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros whose pages the OS maps only when first written (``calloc``), so a large KV
+    reservation costs resident memory only as blocks fill. Off the CPU, plain zeros."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size]
+    return torch.from_numpy(np.zeros(shape, dtype=raw)).view(dtype)
+
+
 @dataclass
 class ScoredRows:
     """Prompt-token scores of one chunk (:meth:`Runner.prefill_scored`): ``logprobs``
@@ -51,14 +87,19 @@ class Runner:
 
     def __init__(self, model: HylaLM, *, max_num_seqs: int, num_kv_blocks: int,
                  block_size: int = 16, num_snapshots: int = 0, compile: bool = False,
-                 cuda_graphs: bool = False, capture=None):
+                 cuda_graphs: bool = False, capture=None, kv_dtype: torch.dtype | None = None,
+                 kv_in_place: bool = True):
         """``compile``: decode through ``torch.compile`` (fixed shapes). ``cuda_graphs``:
         replay each decode shape as a captured CUDA graph (needs a CUDA model unless a
-        stand-in ``capture`` function is given, as the CPU tests do)."""
+        stand-in ``capture`` function is given, as the CPU tests do). ``kv_dtype``: the
+        paged KV blocks' dtype (default: the model's). ``kv_in_place``: eager decode reads
+        a sequence's consecutive KV blocks as views (False: always gather them, as before)."""
         self.model = model
         p = model.anchor
         self.device, self.dtype = p.device, p.dtype
         self.block_size = block_size
+        self.kv_dtype = kv_dtype or self.dtype
+        self.kv_in_place = kv_in_place
         self.pad_slot = max_num_seqs
         self.pad_block = num_kv_blocks
         self.specs = model.state_specs
@@ -77,8 +118,8 @@ class Runner:
                 snaps[e.name] = torch.zeros(num_snapshots, *e.shape, device=self.device,
                                             dtype=dt)
             for e in spec.per_token:
-                layer[e.name] = torch.zeros(num_kv_blocks + 1, block_size, *e.shape,
-                                            device=self.device, dtype=e.resolve(self.dtype))
+                layer[e.name] = lazy_zeros((num_kv_blocks + 1, block_size, *e.shape),
+                                           e.resolve(self.kv_dtype), self.device)
             self.buffers.append(layer)
             self.snapshots.append(snaps)
         self.compiled = compile
@@ -136,7 +177,7 @@ class Runner:
         """A standalone SequenceState (copies) of what a slot and its blocks hold."""
         rows = self._rows(block_table, num_tokens)
         tensors = [tuple(layer[e.name][slot].clone() for e in spec.fixed)
-                   + tuple(layer[e.name][rows] for e in spec.per_token)
+                   + tuple(layer[e.name][rows].to(e.resolve(self.dtype)) for e in spec.per_token)
                    for spec, layer in zip(self.specs, self.buffers, strict=True)]
         return SequenceState([s.kind for s in self.specs], tensors, num_tokens)
 
@@ -271,7 +312,10 @@ class Runner:
             first = slots[0]
             span = slice(first, first + B) if list(slots) == list(range(first, first + B)) \
                 else None
-            return self._decode_impl(*args, span=span)
+            spans = None
+            if self.kv_in_place and nb and B <= SPAN_MAX_BATCH:
+                spans = kv_spans(block_tables, positions, self.block_size)
+            return self._decode_impl(*args, span=span, kv_spans=spans)
         from torch._dynamo.utils import counters
 
         before = counters["stats"]["unique_graphs"]
@@ -305,9 +349,10 @@ class Runner:
                 self.decode([self.pad_slot], [0], [0], [[self.pad_block] * nb], w)
         return self.num_compilations - before
 
-    def _decode_impl(self, tokens, slots, positions, tables, span: slice | None = None):
+    def _decode_impl(self, tokens, slots, positions, tables, span: slice | None = None,
+                     kv_spans: tuple[tuple[int, int], ...] | None = None):
         ctx = Context.decode(slots, positions, tables, self.buffers,
-                             block_size=self.block_size, slot_span=span)
+                             block_size=self.block_size, slot_span=span, kv_spans=kv_spans)
         return self.model(tokens[:, None], ctx)[:, 0].float()
 
     def layer_rows(self, i: int, table: list[int], n: int) -> dict[str, torch.Tensor]:

@@ -354,7 +354,8 @@ class Scheduler:
             if victim is seq:
                 return False
         if need > 0:
-            seq.block_table += self.blocks.allocate(need)
+            seq.block_table += self.blocks.allocate(
+                need, after=seq.block_table[-1] if seq.block_table else None)
         return True
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
@@ -385,7 +386,8 @@ class Scheduler:
                 return False
             for b in shared:
                 self.blocks.share(b)
-            seq.block_table = list(shared) + self.blocks.allocate(need)
+            seq.block_table = list(shared) + self.blocks.allocate(
+                need, after=shared[-1] if shared else None)
         seq.slot = self.pool.allocate()
         seq.status = SequenceStatus.RUNNING
         if self.prefix_cache is not None and seq.external_state is None:

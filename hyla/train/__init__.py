@@ -10,8 +10,17 @@ Example:
 
 from hyla.train.muon import Muon, newton_schulz
 from hyla.train.muon_dist import DistMuon
-from hyla.train.muon_fsdp import ShardedMuon
 from hyla.train.param_groups import build_optimizers, split_params
+
+
+def __getattr__(name: str):
+    # ShardedMuon imports torch.distributed.tensor (1-4 s): only when asked for, so commands
+    # that merely import hyla.train (the CLI's parser) do not pay for it
+    if name == "ShardedMuon":
+        from hyla.train.muon_fsdp import ShardedMuon
+
+        return ShardedMuon
+    raise AttributeError(f"module 'hyla.train' has no attribute {name!r}")
 
 __all__ = ["DistMuon", "Muon", "ShardedMuon", "build_optimizers", "newton_schulz",
            "split_params"]

@@ -21,11 +21,13 @@ The loop is :class:`hyla.train.loop.Loop`; the stages are its objectives
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import pathlib
 import time
 import types
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -54,6 +56,7 @@ from hyla.train.distill_objectives import (
     autocast_dtype,
     new_parameters,
 )
+from hyla.train.distill_recipes import get_recipe
 from hyla.train.loop import Loop, Stage
 from hyla.train.lora import add_lora, has_lora, lora_parameters, merge_lora
 from hyla.train.objectives import validation_loss
@@ -67,6 +70,10 @@ def load_teacher(path: str):
     from hyla.model.load import load_model
 
     model, tok = load_model(path)
+    if "A" not in model.cfg.layers:
+        raise ValueError(f"--teacher {str(path)!r} has no attention layers "
+                         f"(layers={model.cfg.layers!r}): distillation needs an all-attention "
+                         f"teacher")
     if tok.vocab_size > model.cfg.vocab_size:
         raise ValueError(f"tokenizer mismatch: the tokenizer of --teacher {str(path)!r} has "
                          f"{tok.vocab_size} tokens, more than the model's vocab_size "
@@ -103,29 +110,43 @@ class Distiller:
         2
     """
 
-    def __init__(self, cfg: DistillConfig | None = None, resume: str | None = None):
+    def __init__(self, cfg: DistillConfig | None = None, resume: str | None = None, *,
+                 log: Callable[[str], None] | None = None):
         if cfg is None and resume is None:
             raise ValueError("Distiller needs a DistillConfig or resume=DIR")
         state = (load_train_state(pathlib.Path(resume), config_type=DistillConfig,
                                   command="hyla distill") if resume else None)
         if state is not None:
             cfg = state["cfg"]
-        if not cfg.teacher or not cfg.layers:
-            raise ValueError("--teacher DIR and --layers PATTERN are required")
-        self.cfg = cfg
+        if not cfg.teacher:
+            raise ValueError("--teacher is required (the all-attention model to distil)")
+        self.log = log or (lambda _line: None)
         self.out = run_dir_of(resume) if resume else pathlib.Path(cfg.out)
+        self.phases: dict[str, float] = {}
+        if state is not None and (self.out / "phases.json").is_file():     # earlier sessions
+            self.phases = json.loads((self.out / "phases.json").read_text())
+        self._val_seconds = 0.0
+        self.recipe = get_recipe(cfg.recipe)
+        self.log(f"recipe {cfg.recipe}: {self.recipe.summary}")
         torch.manual_seed(cfg.seed)
-        self.teacher, self.tokenizer = load_teacher(cfg.teacher)
+        with self._phase("teacher_load"):
+            self.teacher, self.tokenizer = load_teacher(cfg.teacher)
+        # the recipe's settings, made concrete for this teacher: what is saved and reported
+        self.cfg = cfg = cfg.resolve(self.teacher.cfg.n_layers)
         if cfg.eval_data and cfg.report_tokens and not pathlib.Path(cfg.eval_data).exists():
             raise ValueError(f"--eval-data {cfg.eval_data!r} does not exist (the report's "
                              f"held-out text: a file or folder)")
+        if cfg.tasks and cfg.report_tokens:       # an unknown task fails before training
+            from hyla.eval.harness import task_manager
+
+            task_manager(cfg.tasks, cfg.include_path)
         self.layers = cfg.layers
         if state is not None:           # the pattern it was built with (auto:N chosen once)
             self.layers = json.loads((pathlib.Path(state["resumed_from"]) / "config.json")
                                      .read_text())["layers"]
         elif cfg.layers.startswith("auto"):          # the teacher picks its attention layers
-            self.layers = choose_layers(self.teacher, cfg.layers, probe_block(cfg, self.tokenizer),
-                                        window=cfg.window or 64, sinks=cfg.sinks)
+            with self._phase("layer_ranking"):
+                self.layers = self._choose_layers()
         self.model = build_student(self.teacher, self.layers, cfg.student_kv_heads,
                                    window=cfg.window, sinks=cfg.sinks)
         self.model.activation_checkpointing = cfg.activation_checkpointing
@@ -139,11 +160,18 @@ class Distiller:
         calibration = self.out / "calibration.json"
         self.calibration = None
         if state is None and self.stage1_steps:
-            self.calibration = calibrate_student(self.teacher, self.model, self.transfer, cfg,
-                                                 self.tokenizer)
+            with self._phase("calibration"):
+                self.calibration = calibrate_student(self.teacher, self.model, self.transfer,
+                                                     cfg, self.tokenizer)
             calibration.write_text(json.dumps(self.calibration))
         elif calibration.is_file():
             self.calibration = json.loads(calibration.read_text())
+        self.log(self.plan())
+        self.estimate: dict | None = None
+        if state is None:
+            with self._phase("estimate", quiet=True):
+                self.estimate = self._estimate()
+            self.log(self.estimate["line"])
         if state is not None:
             if any(".lora." in k for k in state["model"]):     # saved inside a LoRA stage 2
                 add_lora(self.model, cfg.lora_rank, cfg.lora_alpha)
@@ -158,12 +186,141 @@ class Distiller:
         self.loop = Loop(out=self.out, cfg=cfg, model=self.model, tokenizer=self.tokenizer,
                          stage=stage, total=self.total_steps, step=step, validate=self.validate)
 
+    @contextlib.contextmanager
+    def _phase(self, name: str, *, quiet: bool = False):
+        """Time a phase of the run into ``phases`` (seconds, summed over resumed sessions,
+        kept in ``phases.json``) and print it."""
+        start, val_before = time.perf_counter(), self._val_seconds
+        yield
+        validation = self._val_seconds - val_before       # validation is its own phase
+        self._add_phase(name, time.perf_counter() - start - validation, quiet=quiet,
+                        note=f" (and validation {validation:.1f} s)" if validation else "")
+
+    def _add_phase(self, name: str, seconds: float, *, quiet: bool = False,
+                   note: str = "") -> None:
+        self.phases[name] = self.phases.get(name, 0.0) + seconds
+        if not quiet:
+            label = name.replace("_", " ").replace("stage", "stage ")
+            self.log(f"{label}: {seconds:.1f} s{note}")
+        if self.out.is_dir():
+            (self.out / "phases.json").write_text(json.dumps(self.phases, indent=1))
+
+    def _choose_layers(self) -> str:
+        """``auto:N`` -> a pattern: the teacher ranks its layers (``cfg.layer_ranking``) on
+        the first training block; the others become the recipe's linear letter."""
+        cfg = self.cfg
+        return choose_layers(self.teacher, cfg.layers, probe_block(cfg, self.tokenizer),
+                             window=cfg.window or 64, sinks=cfg.sinks,
+                             ranking=cfg.layer_ranking, linear=self.recipe.linear)
+
+    def plan(self) -> str:
+        """What the run will do, in a few lines: layers, stages and their tokens."""
+        cfg, layers = self.cfg, self.model.cfg.layers
+        keep = [i for i, c in enumerate(layers) if c == "A"]
+        how = (f"{cfg.layers}, ranked by {cfg.layer_ranking}" if cfg.layers.startswith("auto")
+               else "all linear" if not keep else "as given")
+        lines = [f"layers {layers} ({how}): {len(keep)} of {len(layers)} stay attention"
+                 + (f" ({', '.join(map(str, keep))})" if keep else "")
+                 + (f"; window {cfg.window} + {cfg.sinks} sinks" if cfg.window else "")]
+        s1 = self.stage1_steps * cfg.stage1_tokens_per_step
+        s2 = cfg.stage2_steps * cfg.tokens_per_step
+        lines.append(f"stage 1: {self.stage1_steps} steps x {cfg.batch_size} x "
+                     f"{cfg.stage1_len:,} tokens = {s1:,} tokens (layers "
+                     f"{', '.join(map(str, self.transfer)) or 'none'}); stage 2: "
+                     f"{cfg.stage2_steps} steps x {cfg.batch_size} x {cfg.seq_len:,} = {s2:,} "
+                     f"tokens, " + (f"LoRA rank {cfg.lora_rank}, lr {cfg.lr:g}" if cfg.lora_rank
+                                    else f"full tuning ({cfg.optimizer}), lr {cfg.lr:g}"))
+        return "\n".join(lines)
+
+    @torch.no_grad()
+    def _forward_seconds(self, ids: torch.Tensor) -> float:
+        start = time.perf_counter()
+        self.model(ids)
+        return time.perf_counter() - start
+
+    def _estimate(self) -> dict:
+        """An estimate of the run's time: one forward and backward of one batch of each
+        stage, timed before training (on random tokens, after a 16-token warm-up; gradients
+        dropped, the RNG state restored, so the run is the same with or without it), times
+        its steps; the validations and the report from one timed student forward, by their
+        tokens. Not counted: optimizer steps and checkpoints."""
+        cfg, rng = self.cfg, torch.get_rng_state()
+        device = next(self.model.parameters()).device
+        g = torch.Generator().manual_seed(cfg.seed)
+        step_s = {}
+        try:
+            for stage, steps, length in ((1, self.stage1_steps, cfg.stage1_len),
+                                         (2, cfg.stage2_steps, cfg.seq_len)):
+                if not steps:
+                    continue
+                ids = torch.randint(0, self.teacher.cfg.vocab_size, (cfg.batch_size, length),
+                                    generator=g).to(device)
+                objective = self._timing_objective(stage)
+                warm = ids[:1, :min(length, 16)]     # first-call costs out of the timing
+                objective.backward((warm, warm, None))
+                start = time.perf_counter()
+                objective.backward((ids, ids, None))
+                step_s[stage] = time.perf_counter() - start
+                for p in self.model.parameters():
+                    p.grad = None
+            ids = torch.randint(0, self.teacher.cfg.vocab_size, (1, cfg.seq_len),
+                                generator=g).to(device)
+            per_token = self._forward_seconds(ids) / cfg.seq_len
+        finally:
+            self.model.requires_grad_(False)
+            torch.set_rng_state(rng)
+        evals = 2 if self.stage1_steps and cfg.stage2_steps else 1
+        if cfg.eval_every:
+            evals += self.total_steps // cfg.eval_every
+        eval_tokens = (evals + 1) * cfg.eval_batches * cfg.batch_size * cfg.seq_len
+        report_tokens = 2 * report_forward_tokens(cfg) if cfg.report_tokens else 0
+        other = per_token * (eval_tokens + report_tokens)
+        train = (self.stage1_steps * step_s.get(1, 0.0) + cfg.stage2_steps * step_s.get(2, 0.0))
+        total = train + other
+        parts = ", ".join(f"stage {k} {v:.1f} s/step" for k, v in step_s.items())
+        line = (f"estimated time: about {_minutes(total)} ({parts}, from one timed step of "
+                f"each; validation and report about {_minutes(other)}"
+                + ("; the lm-eval tasks not counted" if cfg.tasks else "")
+                + "): an estimate, measured before training")
+        return {"stage_step_seconds": {str(k): v for k, v in step_s.items()},
+                "forward_seconds_per_token": per_token, "train_seconds": train,
+                "eval_and_report_seconds": other, "total_seconds": total, "line": line}
+
+    def _timing_objective(self, stage: int):
+        """The objective of ``stage`` with the gradients it will need switched on (stage 2
+        under LoRA: the linearised layers' new parameters and the first block's norm, so
+        the backward runs through the whole student as the adapters' does)."""
+        cfg = self.cfg
+        mixers = [self.model.blocks[i].mixer for i in self.transfer]
+        self.model.requires_grad_(False)
+        if stage == 1:
+            params = [p for m in mixers for p in new_parameters(m)]
+            objective = AttentionTransfer(self.teacher, self.model, self.transfer,
+                                          kl_weight=cfg.attn_kl_weight)
+        else:
+            if cfg.lora_rank:
+                params = [p for m in mixers if hasattr(m, "new_parameters")
+                          for p in m.new_parameters()]
+                params += list(self.model.blocks[0].mixer_norm.parameters())
+            else:
+                params = list(self.model.parameters())
+            objective = VocabularyKL(self.model, self.teacher, kl_weight=cfg.kl_weight,
+                                     ce_weight=cfg.ce_weight, chunk=cfg.vocab_chunk,
+                                     temperature=cfg.temperature)
+        for p in params:
+            p.requires_grad_(True)
+        return objective if self.autocast is None else Autocast(objective, self.autocast)
+
     def validate(self) -> dict:
         """Validation loss and perplexity of the student, beside the teacher's (computed
         once: it does not change)."""
+        start = time.perf_counter()
         student = validation_loss(self.model, self.tokenizer, self.cfg)
         if self._teacher_val is None:
             self._teacher_val = validation_loss(self.teacher, self.tokenizer, self.cfg)
+        seconds = time.perf_counter() - start
+        self._val_seconds += seconds
+        self._add_phase("validation", seconds, quiet=True)
         return {"val_loss": student, "val_ppl": math.exp(min(student, 700.0)),
                 "teacher_val_loss": self._teacher_val,
                 "teacher_val_ppl": math.exp(min(self._teacher_val, 700.0))}
@@ -253,11 +410,22 @@ class Distiller:
     def fit(self, progress: bool = True, until: int | None = None) -> dict:
         """Run both stages to the end (or to global step ``until``); returns the last record.
 
-        At the end of the run, LoRA adapters are merged into the weights of the last
-        checkpoint (an ordinary model from then on) and, unless ``report_tokens`` is 0,
-        ``report.json`` is written (:func:`hyla.train.distill_report.write_report`)."""
+        Each stage's time (without its validations) goes into ``phases`` (``stage1``,
+        ``stage2``; ``validation`` apart) and is printed. At the end of the run, LoRA
+        adapters are merged into the weights of the last checkpoint (an ordinary model from
+        then on) and, unless ``report_tokens`` is 0, ``report.json`` is written
+        (:func:`hyla.train.distill_report.write_report`)."""
         start = time.perf_counter()
-        record = self.loop.fit(until=until, progress=progress)
+        end = self.total_steps if until is None else min(until, self.total_steps)
+        record: dict = {}
+        for stage, stop in ((1, self.stage1_steps), (2, end)):
+            stop = min(stop, end)
+            if self.step >= stop:
+                continue
+            with self._phase(f"stage{stage}"):
+                record = self.loop.fit(until=stop, progress=progress)
+        if not record:
+            record = self.loop.fit(until=end, progress=False)     # nothing left to train
         if self.step == self.total_steps:
             if has_lora(self.model):
                 merge_lora(self.model)
@@ -265,5 +433,22 @@ class Distiller:
             if self.cfg.report_tokens:
                 from hyla.train.distill_report import write_report
 
-                write_report(self, train_seconds=time.perf_counter() - start)
+                train_seconds = time.perf_counter() - start
+                with self._phase("report"):
+                    report = write_report(self, train_seconds=train_seconds)
+                report["phases"] = dict(self.phases)
+                (self.out / "report.json").write_text(json.dumps(report, indent=1))
         return record
+
+
+def report_forward_tokens(cfg: DistillConfig) -> int:
+    """Tokens one model reads in ``report.json``'s perplexity and passkey tests."""
+    from hyla.train.distill_report import report_lengths
+
+    ppl, passkey = report_lengths(cfg)
+    return (sum(max(cfg.report_tokens, n) for n in ppl)
+            + sum(n * max(1, cfg.report_trials // 2) * 2 for n in passkey))
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"

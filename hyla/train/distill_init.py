@@ -5,7 +5,10 @@ mix is a pattern such as ``"GGGA" * 4``:
 
 Each student mixer takes what fits from the teacher's attention layer at its place
 (:meth:`hyla.model.mixers.Mixer.init_from_attention`; the ``A`` and ``G`` mixers document
-how), and says whether it is then an exact copy (nothing for stage 1 to learn). The
+how), and says whether it is then an exact copy (nothing for stage 1 to learn). With a
+window, ``G``, ``D`` and ``K`` are linearised attention (:mod:`hyla.model.mixers.window_gla`,
+:mod:`hyla.model.mixers.window_delta`): the teacher's q/k/v/o, an exact window + sinks and a
+GLA or gated-delta-rule branch, calibrated from the teacher's attention. The
 student's linear layers get ``expand_k = expand_v = 1``, so each head has the teacher's
 head dim.
 """
@@ -23,8 +26,9 @@ from hyla.model.mixers import MIXERS, AttentionMixer
 def student_config(teacher: HylaConfig, layers: str, kv_heads: int | None = None, *,
                    window: int = 0, sinks: int = 4) -> HylaConfig:
     """The student's config: the teacher's shape with ``layers`` and ``kv_heads``; with
-    ``window`` its ``G`` layers are linearised attention keeping the last ``window`` and
-    first ``sinks`` tokens exactly (``linear_window``, ``window_sinks``).
+    ``window`` its ``G``, ``D`` and ``K`` layers are linearised attention keeping the last
+    ``window`` and first ``sinks`` tokens exactly (``linear_window``, ``window_sinks``) beside
+    a GLA (``G``) or gated-delta-rule (``D``, ``K``) branch.
 
     Raises ValueError naming ``--layers`` or ``--student-kv-heads`` when they do not fit.
 
@@ -93,7 +97,8 @@ def transfer_layers(teacher_cfg: HylaConfig, student_cfg: HylaConfig) -> list[in
 def calibrate_student(teacher: HylaLM, student: HylaLM, transfer: list[int], cfg,
                       tokenizer) -> dict:
     """Set the teacher-derived parts of the student's linearised layers (their
-    ``calibrate``: the window/linear mix and the forget-gate timescales) from the teacher's
+    ``calibrate``: the window/linear mix, the forget-gate timescales and, for ``D``/``K``,
+    the delta rule's ``beta``) from the teacher's
     attention on one training block of ``cfg.stage1_len`` tokens; returns what each layer
     took, by layer index. Layers without ``calibrate`` are left alone."""
     from hyla.model import Context

@@ -11,7 +11,10 @@ measured on it, with two probes that have nothing to do with any benchmark:
   falls beyond the student's window and sinks.
 
 ``choose_layers`` keeps ``N`` layers, taking the best of the two rankings in turn: late
-induction layers copy, early far-reaching layers gather what they copy from.
+induction layers copy, early far-reaching layers gather what they copy from. With
+``ranking="kl"`` it keeps instead the ``N`` layers whose softmax attention, put back alone
+into the all-linear student, removes the most vocabulary KL
+(:mod:`hyla.train.distill_kl_rank`).
 """
 
 from __future__ import annotations
@@ -90,13 +93,25 @@ def far_attention(teacher: HylaLM, ids: torch.Tensor, cu_seqlens: torch.Tensor |
     return scores
 
 
+RANKINGS = ("probes", "kl")
+
+
 def choose_layers(teacher: HylaLM, spec: str, probe: tuple | None = None, *, window: int = 64,
-                  sinks: int = 4, linear: str = "G") -> str:
+                  sinks: int = 4, ranking: str = "probes", linear: str = "G") -> str:
     """A layer pattern from ``"auto:N"``: ``linear`` everywhere but ``N`` softmax attention
-    layers, taken in turn from the induction and the reach rankings (module doc). ``probe``
-    is ``(ids [1, T], cu_seqlens)`` of training text for the reach ranking (without it,
-    induction alone, as when its documents are no longer than the window). Any other
-    ``spec`` is returned as it is.
+    layers. ``probe`` is ``(ids [1, T], cu_seqlens)`` of training text. Any other ``spec`` is
+    returned as it is.
+
+    ``ranking``:
+        - ``"probes"`` (default): taken in turn from the induction and the reach rankings
+          (module doc); without ``probe`` (or one whose documents are no longer than the
+          window), induction alone;
+        - ``"kl"``: the top ``N`` by :func:`hyla.train.distill_kl_rank.kl_layer_scores` on
+          ``probe`` with a ``linear`` student of this ``window`` and ``sinks``; it needs
+          ``probe``, and falls back to induction alone when the probe's documents are no
+          longer than the window (the windowed student would be the teacher).
+
+    Raises ValueError for a bad ``N``, an unknown ``ranking``, or ``"kl"`` without ``probe``.
 
     Example:
         >>> import dataclasses
@@ -106,6 +121,8 @@ def choose_layers(teacher: HylaLM, spec: str, probe: tuple | None = None, *, win
         >>> sorted(p)
         ['A', 'A', 'G', 'G']
     """
+    if ranking not in RANKINGS:
+        raise ValueError(f"layer ranking must be one of {', '.join(RANKINGS)}, got {ranking!r}")
     if not isinstance(spec, str) or not spec.startswith("auto"):
         return spec
     count = spec.partition(":")[2]
@@ -113,9 +130,18 @@ def choose_layers(teacher: HylaLM, spec: str, probe: tuple | None = None, *, win
     if not count.isdigit() or not 0 <= int(count) <= n:
         raise ValueError(f"--layers auto:N needs N in 0..{n} (softmax attention layers to "
                          f"keep), got {spec!r}")
-    rankings = [induction_scores(teacher)]
+    if ranking == "kl" and probe is None:
+        raise ValueError("layer ranking 'kl' needs a probe block of training text "
+                         "(ids, cu_seqlens) to measure the vocabulary KL on")
     if probe is not None and int(Context.train(*probe).positions.max()) < window:
         probe = None                    # too short to see past the window: induction alone
+    if ranking == "kl" and probe is not None:
+        from hyla.train.distill_kl_rank import kl_layer_scores
+
+        scores = kl_layer_scores(teacher, [probe], window=window, sinks=sinks, linear=linear)
+        keep = sorted(range(n), key=lambda i: -scores[i])[:int(count)]
+        return "".join("A" if i in keep else linear for i in range(n))
+    rankings = [induction_scores(teacher)]
     if probe is not None:
         rankings.append(far_attention(teacher, *probe, window=window, sinks=sinks))
     orders = [sorted(range(n), key=lambda i, s=s: -s[i]) for s in rankings]

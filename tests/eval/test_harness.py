@@ -176,3 +176,15 @@ def test_local_completions_against_hyla_serve_agrees(workdir):
                                                key=lambda s: s["doc_id"])]
     assert gen == [s["filtered_resps"] for s in sorted(local["samples"]["colors_gen"],
                                                        key=lambda s: s["doc_id"])]
+
+
+def test_eval_harness_quantised(workdir, capsys):
+    from hyla.cli.main import main
+
+    tmp, ckpt, tasks = workdir
+    assert main(["eval", "harness", "--checkpoint", str(ckpt), "--tasks", "colors_mc",
+                 "--include-path", str(tasks), "--out", str(tmp / "q"), "--quantize",
+                 "int8"]) == 0
+    assert "quantised" in capsys.readouterr().out
+    saved = json.loads((tmp / "q" / "results.json").read_text())
+    assert 0 <= saved["results"]["colors_mc"]["acc,none"] <= 1

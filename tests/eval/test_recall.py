@@ -100,6 +100,20 @@ def test_run_recall_records():
     assert state["GG", 32] == state["GG", 64] < state["AA", 32] < state["AA", 64]
 
 
+
+def test_parallel_sweep_matches_serial():
+    """jobs=2 trains in two spawned one-thread processes: same records as one thread here."""
+    tiny = dataclasses.replace(TINY, mixers=("GG", "AA"), lrs=(3e-3,))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        serial = run_recall(tiny, seed=2)
+    finally:
+        torch.set_num_threads(before)
+    parallel = run_recall(tiny, seed=2, jobs=2)
+    strip = [{k: v for k, v in r.items() if "seconds" not in k} for r in serial]
+    assert strip == [{k: v for k, v in r.items() if "seconds" not in k} for r in parallel]
+
 def test_cli_end_to_end(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(recall_mod.PRESETS, "quick", lambda: TINY)
     code = main(["eval", "recall", "--preset", "quick", "--out", str(tmp_path), "--seed", "1"])

@@ -133,7 +133,8 @@ def teacher_dir(tmp_path):
 
 
 def _cfg(teacher_dir, out, **kw):
-    base = dict(teacher=str(teacher_dir), layers="GGGA", student_kv_heads=1, stage1_steps=4,
+    base = dict(teacher=str(teacher_dir), recipe="plain-gla", layers="GGGA", student_kv_heads=1,
+                stage1_steps=4,
                 stage2_steps=3, seq_len=48, batch_size=2, warmup_steps=1, eval_batches=1,
                 save_every=2, out=str(out), vocab_chunk=40, report_tokens=0)
     return DistillConfig(**(base | kw))

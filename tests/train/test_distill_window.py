@@ -29,7 +29,7 @@ def _cfg(teacher_dir, out, **kw):
     base = dict(teacher=str(teacher_dir), layers="GGAG", window=8, sinks=2, stage1_steps=3,
                 stage2_steps=3, seq_len=48, batch_size=1, warmup_steps=1, eval_batches=1,
                 save_every=2, out=str(out), vocab_chunk=40, report_tokens=0,
-                optimizer="adamw")
+                optimizer="adamw", lora_rank=0, lr=3e-3)
     return DistillConfig(**(base | kw))
 
 
@@ -84,7 +84,7 @@ def test_lora_run_resumes_exactly_inside_stage2(teacher_dir, tmp_path):
 
 def test_report_compares_student_and_teacher(teacher_dir, tmp_path):
     d = Distiller(_cfg(teacher_dir, tmp_path / "r", report_tokens=2048, report_trials=2,
-                       eval_every=2))
+                       eval_every=2, full_report=True))
     d.fit(progress=False)
     r = json.loads((tmp_path / "r/report.json").read_text())
     for side in ("teacher_figures", "student_figures"):
@@ -93,6 +93,9 @@ def test_report_compares_student_and_teacher(teacher_dir, tmp_path):
     assert r["state_ratio_8k"] < 1 and 1 < r["parameter_ratio"] < 1.2
     assert r["stages"]["1"]["steps"] == 3 and r["stages"]["2"]["steps"] == 3
     assert r["tokens_seen"] == 6 * 48
+    assert {"teacher_load", "calibration", "stage1", "stage2", "validation",
+            "report"} <= set(r["phases"])
+    assert all(v >= 0 for v in r["phases"].values())
     records = [json.loads(x) for x in (tmp_path / "r/metrics.jsonl").open()]
     evals = [x for x in records if "val_ppl" in x]
     assert [x["step"] for x in evals] == [2, 3, 4, 6]      # every 2 and at each stage's end

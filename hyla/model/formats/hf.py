@@ -286,11 +286,14 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
 
 
 def hyla_model_from(cfg: HylaConfig, state: dict[str, torch.Tensor], where: str, source: str,
-                    *, dtype: torch.dtype, device) -> HylaLM:
+                    *, dtype: torch.dtype, device, assign: bool = False) -> HylaLM:
     """A HylaLM of ``cfg`` (eval mode) holding ``state`` (hyla names), every shape checked
-    against the config on the meta device before any memory is allocated."""
-    with torch.device("meta"):
-        model = HylaLM(cfg)
+    against the config on the meta device before any memory is allocated. ``assign``: the
+    model takes ``state``'s own tensors (contiguous, ``dtype``, on ``device``, used nowhere
+    else) rather than copies of them."""
+    from hyla.model.formats.skeleton import meta_model, to_empty
+
+    model = meta_model(cfg)     # no init on meta: it would import torch._dynamo (seconds)
     want = model.state_dict()
     unknown = sorted(set(state) - set(want))
     if unknown:
@@ -301,10 +304,12 @@ def hyla_model_from(cfg: HylaConfig, state: dict[str, torch.Tensor], where: str,
         if param.shape != tensor.shape:
             raise ValueError(f"{where}: tensor for {key} has shape {tuple(tensor.shape)}, "
                              f"{source} implies {tuple(param.shape)}")
-    model = model.to_empty(device=device).to(dtype)
+    model = to_empty(model, device).to(dtype)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
-    model.load_state_dict(state, strict=not cfg.tie_embeddings)
+    model.load_state_dict(state, strict=not cfg.tie_embeddings, assign=assign)
+    if cfg.tie_embeddings and assign:
+        model.lm_head.weight = model.embed.weight
     return model.eval()
 
 

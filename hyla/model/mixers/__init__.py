@@ -2,7 +2,8 @@
 
 ``G``: gated linear attention (:mod:`.gla`; with ``linear_window``, the linearised attention of
 :mod:`.window_gla`); ``A``: softmax attention (:mod:`.attention`);
-``D`` (and ``K``, its per-key-channel decay): the gated delta rule (:mod:`.deltanet`);
+``D`` (and ``K``, its per-key-channel decay): the gated delta rule (:mod:`.deltanet`; with
+``linear_window``, :mod:`.window_delta`);
 ``M``: multi-head latent attention (:mod:`.mla`).
 A new kind is one module that subclasses :class:`Mixer` and registers its letter.
 """
@@ -20,8 +21,9 @@ from hyla.model.mixers.base import (
 from hyla.model.mixers.deltanet import GatedDeltaMixer, KDAMixer
 from hyla.model.mixers.gla import GLAMixer
 from hyla.model.mixers.mla import MLAMixer
+from hyla.model.mixers.window_delta import WindowedDeltaMixer, WindowedKDAMixer
 from hyla.model.mixers.window_gla import WindowedGLAMixer
 
 __all__ = ["MIXERS", "AttentionMixer", "GLAMixer", "GatedDeltaMixer", "KDAMixer", "MLAMixer",
-           "Mixer", "StateSpec", "TensorSpec", "WindowedGLAMixer", "layer_specs", "mixer_of_kind",
-           "register_mixer"]
+           "Mixer", "StateSpec", "TensorSpec", "WindowedDeltaMixer", "WindowedGLAMixer",
+           "WindowedKDAMixer", "layer_specs", "mixer_of_kind", "register_mixer"]

@@ -112,6 +112,8 @@ class AttentionMixer(Mixer):
             self.k_norm = RMSNorm(cfg.kv_dim if whole else hd, eps=cfg.norm_eps, zero_centred=z)
         if o.sinks:
             self.sinks = nn.Parameter(torch.zeros(cfg.n_heads))
+        # read every step: parsing the options again (rotary_dim) cost ~1 ms a layer a token
+        self.rot_dim = self.rotary_dim(cfg)
 
     @classmethod
     def value_head_dim(cls, cfg) -> int:
@@ -184,11 +186,15 @@ class AttentionMixer(Mixer):
             v = v * o.value_scale
         if c.qk_norm and o.qk_norm_scope == "head":
             q, k = self.q_norm(q), self.k_norm(k)
+        if T == 1:      # decode: one rotation of q and k together (one cos/sin), fewer ops
+            qk = self._rotate(torch.cat([q, k], dim=2), positions, lengths)
+            q, k = qk.split([c.n_heads, c.n_kv_heads], dim=2)
+            return q, k, v, gate
         return self._rotate(q, positions, lengths), self._rotate(k, positions, lengths), v, gate
 
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor, lengths) -> torch.Tensor:
         c = self.cfg
-        rot = self.rotary_dim(c)
+        rot = self.rot_dim
         if rot == 0:
             return x
         if rot == c.head_dim:
@@ -268,6 +274,8 @@ class AttentionMixer(Mixer):
         ctx.append_rows(buf["keys"], k[:, 0])
         ctx.append_rows(buf["values"], v[:, 0])
         window = self.cfg.sliding_window
+        if ctx.kv_spans is not None and window is None and not self.opts.sinks:
+            return self._output(self._attend_spans(q, buf, ctx), gate)
         if window is None:
             keys = ctx.batch_rows(buf["keys"]).to(q.dtype)      # [B, blocks * bs, Hkv, D]
             values = ctx.batch_rows(buf["values"]).to(q.dtype)
@@ -285,6 +293,23 @@ class AttentionMixer(Mixer):
                                            values.transpose(1, 2), attn_mask=mask, scale=scale,
                                            enable_gqa=keys.shape[2] != q.shape[2])
         return self._output(o.transpose(1, 2), gate)
+
+    def _attend_spans(self, q: torch.Tensor, buf, ctx) -> torch.Tensor:
+        """Decode reading each sequence's keys and values in place: its blocks are
+        consecutive (``ctx.kv_spans``), so they are one view of the paged buffer, every row
+        of which the new query sees: no gather, no mask. The query heads sharing a KV head
+        become that head's rows (GQA without repeating keys). q [B, 1, H, D] -> [B, 1, H, Dv]."""
+        B, _, H, D = q.shape
+        keys, values = buf["keys"], buf["values"]
+        h_kv = keys.shape[-2]
+        outs = []
+        for b in range(B):
+            # 4-D [1, Hkv, rows, D]: what the fused CPU kernel takes (3-D goes the slow way)
+            k = ctx.span_rows(keys, b).transpose(0, 1)[None]
+            v = ctx.span_rows(values, b).transpose(0, 1)[None]
+            qb = q[b, 0].reshape(1, h_kv, H // h_kv, D).to(k.dtype)
+            outs.append(F.scaled_dot_product_attention(qb, k, v)[0])
+        return torch.stack(outs).reshape(B, 1, H, -1).to(q.dtype)
 
     def _window_rows(self, buf, ctx):
         """Decode with a sliding window: only the blocks the window covers, a fixed number a

@@ -18,6 +18,7 @@ serving engine, prefix-cache snapshots and state transfer carry them like any fi
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +61,16 @@ class GatedDeltaMixer(Mixer):
     label = "Gated DeltaNet"
     options_class = DeltaOptions
     per_channel = False         # one decay a key channel (KDA) instead of one a head
+    # The form built when cfg.linear_window > 0 (hyla.model.mixers.window_delta sets it, on
+    # this class and on KDAMixer: each class's own, not inherited).
+    windowed: ClassVar[type[GatedDeltaMixer] | None] = None
+
+    def __new__(cls, cfg=None, *args, **kwargs):
+        # cfg None: copy / pickle re-creating an instance (they call __new__ bare)
+        form = cls.__dict__.get("windowed")
+        if form is not None and getattr(cfg, "linear_window", 0):
+            cls = form
+        return super().__new__(cls)
 
     def __init__(self, cfg, layer_idx: int = 0):
         super().__init__(cfg, layer_idx)
@@ -92,6 +103,8 @@ class GatedDeltaMixer(Mixer):
 
     @classmethod
     def state_spec(cls, cfg) -> StateSpec:
+        if cfg.linear_window and cls.__dict__.get("windowed") is not None:
+            return cls.windowed.state_spec(cfg)
         opts = cls.options(cfg)
         hk, hv, dk, dv = delta_dims(cfg, opts)
         conv = (opts.conv_kernel - 1, 2 * hk * dk + hv * dv)
@@ -101,6 +114,8 @@ class GatedDeltaMixer(Mixer):
     @classmethod
     def token_flops(cls, cfg) -> float:
         # S^T k, the rank-1 update and the readout (2 FLOPs a state entry each), the conv
+        if cfg.linear_window and cls.__dict__.get("windowed") is not None:
+            return cls.windowed.token_flops(cfg)
         opts = cls.options(cfg)
         hk, hv, dk, dv = delta_dims(cfg, opts)
         return 6 * hv * dk * dv + 2 * opts.conv_kernel * (2 * hk * dk + hv * dv)
@@ -233,6 +248,7 @@ class KDAMixer(GatedDeltaMixer):
     kind = "kda"
     label = "KDA"
     per_channel = True
+    windowed: ClassVar[type[GatedDeltaMixer] | None] = None
 
 
 def slow_dt_bias(cfg, per_channel: bool) -> torch.Tensor:

@@ -1,0 +1,91 @@
+"""Start-up: while the engine warms up in the background ``/health`` answers 503
+``{"status": "starting"}`` and generation requests wait; then 200 and they run. The warm-up
+(``hyla serve``'s) sets ready, leaves no trace in the metrics, and ends the server when it
+fails."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+
+import httpx
+import pytest
+import torch
+from rich.console import Console
+
+from hyla.cli.serve import warm_up
+from hyla.data.tokenizer import ByteTokenizer
+from hyla.model import HylaLM, preset
+from hyla.serve.api import create_app
+from hyla.serve.async_engine import AsyncEngine
+from hyla.serve.engine import Engine, EngineConfig
+
+
+@pytest.fixture()
+def engine():
+    torch.manual_seed(0)
+    eng = AsyncEngine(Engine(HylaLM(preset("debug")), ByteTokenizer(),
+                             EngineConfig(max_num_seqs=2, max_model_len=64)))
+    yield eng
+    eng.shutdown()
+
+
+def test_health_says_starting_and_requests_wait_until_ready(engine):
+    ready = threading.Event()
+    app = create_app(engine, model_name="m", ready=ready)
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            h = await c.get("/health")
+            assert h.status_code == 503 and h.json()["status"] == "starting"
+            assert (await c.get("/v1/models")).status_code == 200   # the rest answers
+            body = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
+            pending = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            await asyncio.sleep(0.3)
+            assert not pending.done()               # held until the warm-up is over
+            ready.set()
+            r = await asyncio.wait_for(pending, 30)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+            h = await c.get("/health")
+            assert h.status_code == 200 and h.json()["status"] == "ok"
+
+    asyncio.run(scenario())
+
+
+def test_dead_engine_wins_over_starting(engine):
+    app = create_app(engine, model_name="m", ready=threading.Event())
+    engine.error = RuntimeError("boom")
+    try:
+        async def health():
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+                return await c.get("/health")
+        h = asyncio.run(health())
+    finally:
+        engine.error = None
+    assert h.status_code == 503 and h.json()["status"] == "error"
+
+
+def test_warm_up_sets_ready_and_leaves_no_request_in_the_metrics(engine):
+    ready, failed = threading.Event(), []
+    args = argparse.Namespace(compile=False, cuda_graphs=False)
+    warm_up(engine, args, Console(quiet=True), ready, failed.append)
+    assert ready.is_set() and not failed
+    assert engine.engine.stats["steps"] >= 1                # the tiny request ran
+    text = engine.metrics.render(engine.engine).decode()
+    count = [ln for ln in text.splitlines()
+             if ln.startswith("hyla_time_to_first_token_seconds_count")]
+    assert float(count[0].split()[-1]) == 0
+
+
+def test_failed_warm_up_ends_the_server_and_never_says_ready(engine, monkeypatch):
+    ready, failed = threading.Event(), []
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernels")
+    monkeypatch.setattr(engine.engine, "warmup", broken)
+    args = argparse.Namespace(compile=True, cuda_graphs=False)
+    warm_up(engine, args, Console(quiet=True), ready, failed.append)
+    assert not ready.is_set() and "no kernels" in repr(failed[0])

@@ -1,0 +1,75 @@
+"""``--quantize`` on ``hyla chat`` and the ``hyla eval`` commands that load a checkpoint:
+the weights are quantised (said on the console), the figures stay close to the fp32 ones,
+and a use that cannot be quantised is refused with one line naming the scheme."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from hyla.cli.main import main
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from hyla.model import HylaLM, preset
+    from hyla.model.formats.checkpoint import save_checkpoint
+
+    path = tmp_path_factory.mktemp("q") / "ckpt"
+    save_checkpoint(HylaLM(preset("debug")), path)
+    data = path.parent / "d.txt"
+    data.write_text("print('hello world')\n" * 40)
+    return path, data
+
+
+def _ppl(capsys, checkpoint, scheme: str) -> float:
+    path, data = checkpoint
+    assert main(["eval", "ppl", "--checkpoint", str(path), "--data", str(data), "--seq-len",
+                 "64", "--max-tokens", "256", "--json", "--quantize", scheme]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["perplexity"]
+
+
+def test_eval_ppl_quantised_is_close_to_fp32(capsys, checkpoint):
+    full = _ppl(capsys, checkpoint, "none")
+    for scheme in ("int8", "int4"):
+        assert abs(_ppl(capsys, checkpoint, scheme) / full - 1) < 0.05, scheme
+
+
+def test_eval_needle_says_it_quantised(capsys, checkpoint, tmp_path):
+    path, _ = checkpoint
+    assert main(["eval", "needle", "--checkpoint", str(path), "--context", "128", "--depths",
+                 "0.5", "--trials", "1", "--out", str(tmp_path), "--quantize", "int8"]) == 0
+    assert "quantised" in capsys.readouterr().out and (tmp_path / "needle.json").is_file()
+
+
+def test_chat_quantised(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello\n/exit\n"))
+    assert main(["chat", "--preset", "debug", "--max-tokens", "3", "--temperature", "0",
+                 "--threads", "1", "--quantize", "int4"]) == 0
+    err = capsys.readouterr().err
+    assert "to int4" in err and "3 tokens at" in err
+
+
+def test_quantize_refused_where_it_cannot_run(capsys):
+    assert main(["eval", "recall", "--quantize", "int8"]) == 2
+    err = capsys.readouterr().err
+    assert "--quantize int8" in err and "--checkpoint" in err and "Traceback" not in err
+    assert main(["chat", "--preset", "debug", "--quantize", "int3"]) == 2
+    assert "int3" in capsys.readouterr().err
+
+
+def test_serve_logs_the_kv_reservation_and_refuses_too_small_a_budget(monkeypatch, capsys):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: None)    # start, do not serve
+    monkeypatch.setattr("hyla.cli.serve.warm_up", lambda *a: None, raising=False)
+    assert main(["serve", "--preset", "debug", "--max-num-seqs", "2", "--max-model-len", "64",
+                 "--kv-cache-dtype", "bfloat16", "--port", "18431"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache: 8 blocks of 16 tokens in bfloat16" in out and "2 full-length" in out
+    assert main(["serve", "--preset", "debug", "--max-model-len", "64", "--kv-cache-memory",
+                 "1000", "--port", "18431"]) == 2
+    err = capsys.readouterr().err
+    assert "--kv-cache-memory 1000" in err and "at least" in err and "Traceback" not in err
