@@ -147,9 +147,13 @@ def distill(teacher_name: str, patterns: dict, steps: int, work: pathlib.Path, *
         start = time.perf_counter()
         if not (out / "done").is_file():
             subprocess.run(cmd, check=True, cwd=ROOT)
-            (out / "done").write_text(str(time.perf_counter() - start))
-        runs[name] = {"pattern": pattern, "load_avg": _load_avg(),
-                      "distill_s": round(float((out / "done").read_text()), 1)}
+            (out / "done").write_text(json.dumps({"seconds": time.perf_counter() - start,
+                                                   "load_avg": _load_avg()}))
+        done = json.loads((out / "done").read_text())
+        if not isinstance(done, dict):          # seconds alone: no load average kept
+            done = {"seconds": done, "load_avg": None}
+        runs[name] = {"pattern": pattern, "load_avg_at_end": done["load_avg"],
+                      "distill_s": round(done["seconds"], 1)}
         print(name, runs[name], flush=True)
     results = {}
     for name, run in {"teacher": {}, **runs}.items():   # each model's scores kept in work

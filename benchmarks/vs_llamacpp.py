@@ -9,9 +9,12 @@ run one at a time, in alternating rounds, and each row is the median over rounds
 - memory (RSS) after loading and after the concurrent requests (MB);
 - single-request decode: 128 greedy tokens, streamed, tokens after the first per second;
 - prefill: time to the first token of a ~1K-token prompt no cache has seen (tok/s);
-- 16 concurrent requests x 64 tokens: output tokens per second of wall time.
+- 16 concurrent requests x 64 tokens: output tokens per second of wall time;
+- long context (`--student DIR` adds a distilled student): decode tok/s of one request after
+  4K and 16K tokens of prompt, for the teacher in llama.cpp and in hyla (and the student).
 
-    python benchmarks/vs_llamacpp.py [--rounds 3] [--quantize int4]
+    python benchmarks/vs_llamacpp.py [--rounds 3] [--quantize int4] [--student DIR]
+    python benchmarks/vs_llamacpp.py --long-only --student runs/smollm2-hybrid
 
 Writes benchmarks/results/vs_llamacpp.json. A benchmark, not a test: it compiles llama.cpp
 (minutes) the first time.
@@ -86,6 +89,11 @@ def start(kind: str, gguf: pathlib.Path, port: int, args) -> tuple[subprocess.Po
         cmd = [sys.executable, "-m", "hyla", "serve", "--checkpoint", str(gguf), "--threads", "1",
                "--port", str(port), "--quantize", args.quantize, "--max-num-seqs", "16",
                "--log-level", "warning"]
+    return launch(kind, cmd, env, port)
+
+
+def launch(kind: str, cmd: list[str], env: dict, port: int) -> tuple[subprocess.Popen, float]:
+    """Start ``cmd`` and wait for a 200 from ``/health``: (process, seconds it took)."""
     began = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while time.perf_counter() - began < 300:
@@ -151,15 +159,66 @@ def one_round(kind: str, gguf: pathlib.Path, args) -> dict:
         proc.wait(30)
 
 
+LONG_CONTEXTS = (4096, 16384)
+
+
+def long_prompt(tokens: int) -> str:
+    """About ``tokens`` tokens of varied text (SmolLM2's tokenizer: ~14 tokens a line)."""
+    words = ("harbour", "lantern", "granite", "meadow", "copper", "thistle", "orchard", "falcon")
+    lines = [f"Entry {i}: the {words[i % 8]} by the {words[(i * 3 + 1) % 8]} was noted."
+             for i in range(tokens // 14)]
+    return f"{time.time_ns()} " + " ".join(lines) + "\nSummary:"
+
+
+def start_long(kind: str, source: str, port: int, args) -> subprocess.Popen:
+    """One server for a single long request: llama.cpp with one slot of 17K tokens, hyla with
+    --max-model-len 17K and one sequence."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    ctx = str(max(LONG_CONTEXTS) + 1024)
+    if kind == "llama.cpp":
+        cmd = [str(llama_server()), "-m", source, "-t", "1", "-tb", "1", "-nr", "--host",
+               "127.0.0.1", "--port", str(port), "-np", "1", "-c", ctx]
+    else:
+        cmd = [sys.executable, "-m", "hyla", "serve", "--checkpoint", source, "--threads", "1",
+               "--port", str(port), "--max-num-seqs", "1", "--max-model-len", ctx,
+               "--log-level", "warning", "--quantize", args.quantize]
+    return launch(kind, cmd, env, port)[0]
+
+
+def long_context_row(kind: str, source: str, args) -> dict:
+    """Decode tok/s of 32 tokens after a prompt of each LONG_CONTEXTS length."""
+    port = free_port()
+    proc = start_long(kind, source, port, args)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        MODEL[url] = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        row = {}
+        for n in LONG_CONTEXTS:
+            ttft, dt, got = stream_times(url, long_prompt(n), 32)
+            row[f"decode_tok_s_{n // 1024}k"] = (got - 1) / dt if got > 1 else float("nan")
+            row[f"prefill_s_{n // 1024}k"] = ttft
+        return row
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     parser.add_argument("--quantize", default="int4", help="hyla's --quantize (default int4)")
+    parser.add_argument("--student", default=None,
+                        help="a distilled student (hyla run directory) for the long-context "
+                             "row (default: none)")
+    parser.add_argument("--long-only", action="store_true",
+                        help="only the long-context row (default: every row)")
     args = parser.parse_args()
     if shutil.which("cmake") is None and not list(CACHE.glob("*/llama.cpp/build/bin/*")):
         raise SystemExit("building llama.cpp needs cmake and a C++ compiler")
     gguf = resolve_name("smollm2")   # ValueError says how to install it
     runs: dict[str, list[dict]] = {"llama.cpp": [], "hyla": []}
+    if args.long_only:
+        args.rounds = 0
     for r in range(args.rounds):
         for kind in runs:
             runs[kind].append(one_round(kind, gguf, args))
@@ -167,16 +226,31 @@ def main() -> None:
     keys = ("decode_tok_s", "prefill_tok_s", "concurrent16_tok_s", "rss_loaded_mb",
             "rss_after_mb", "startup_s")
     med = {k: {key: statistics.median(x[key] for x in v) for key in keys}
-           for k, v in runs.items()}
-    print(f"\n{'':22} {'llama.cpp':>10} {'hyla':>10} {'hyla/llama':>11}")
-    for key in keys:
-        a, b = med["llama.cpp"][key], med["hyla"][key]
-        print(f"{key:22} {a:10.2f} {b:10.2f} {b / a:10.2f}x")
+           for k, v in runs.items() if v}
+    if med:
+        print(f"\n{'':22} {'llama.cpp':>10} {'hyla':>10} {'hyla/llama':>11}")
+        for key in keys:
+            a, b = med["llama.cpp"][key], med["hyla"][key]
+            print(f"{key:22} {a:10.2f} {b:10.2f} {b / a:10.2f}x")
+    # Long context: one request at 4K and 16K tokens of context; where the constant-size
+    # state should show (the teacher's attention reads its whole KV cache every token).
+    contenders = [("llama.cpp teacher", "llama.cpp", str(gguf)),
+                  ("hyla teacher", "hyla", str(gguf))]
+    if args.student:
+        contenders.append(("hyla student", "hyla", args.student))
+    long_rows = {}
+    for label, kind, source in contenders:
+        long_rows[label] = long_context_row(kind, source, args)
+        print(f"long context, {label}: {long_rows[label]}", flush=True)
     RESULTS.parent.mkdir(exist_ok=True)
+    previous = json.loads(RESULTS.read_text()) if RESULTS.is_file() and not med else {}
     RESULTS.write_text(json.dumps({
-        "model": gguf.name, "threads": 1, "hyla_quantize": args.quantize,
-        "rounds": args.rounds, "machine": f"{platform.machine()} {os.cpu_count()} cores",
-        "load_average": os.getloadavg(), "median": med, "runs": runs}, indent=2) + "\n")
+        **previous, "model": gguf.name, "threads": 1, "hyla_quantize": args.quantize,
+        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        **({"rounds": args.rounds, "median": med, "runs": runs} if med else {}),
+        "load_average": os.getloadavg(),
+        "long_context": {"student": pathlib.Path(args.student).name if args.student else None,
+                         "rows": long_rows}}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
