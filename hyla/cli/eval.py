@@ -36,9 +36,9 @@ def add_eval(sub) -> argparse.ArgumentParser:
                                         "pairs written as text (--checkpoint); plot accuracy "
                                         "vs load and vs state bytes")
     p.add_argument("--preset", default="quick", choices=["quick", "zoology"],
-                   help="synthetic sweep, choices quick, zoology: quick is about half an "
-                        "hour on one CPU core, zoology the paper's sweep (GPU) "
-                        "(default: %(default)s)")
+                   help="synthetic sweep, choices quick, zoology: quick is about 28 CPU "
+                        "minutes (about 15 on 2 cores with --jobs 2), zoology the paper's "
+                        "sweep (GPU) (default: %(default)s)")
     p.add_argument("--checkpoint", default=None,
                    help="instead of the synthetic sweep, text key-value recall of this model: "
                         + SOURCE_HELP + " (default: none)")

@@ -191,11 +191,12 @@ class StateReceiver:
                        wire_s=round(r.seconds, 6) if ok else None,
                        nbytes=r.nbytes if ok else None)
         frames = [head, frame_mac(self.key, [head])] if self.key is not None else [head]
+        # counted before sending: the sender may act on the ack before this thread resumes
+        self.stats["acks"] += 1
         try:
             self._sock.send_multipart([peer, *frames], zmq.NOBLOCK)
-            self.stats["acks"] += 1
         except zmq.ZMQError:
-            pass                    # the sender went away: it sees its own deadline
+            self.stats["acks"] -= 1  # the sender went away: it sees its own deadline
 
     def _sweep(self, now: float) -> None:
         with self._lock:
