@@ -115,6 +115,8 @@ def stream_times(url: str, prompt: str, max_tokens: int) -> tuple[float, float, 
             "stream": True, "ignore_eos": True, "cache_prompt": False}
     began, first, n = time.perf_counter(), None, 0
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        if r.status_code >= 400:
+            r.read()                # the error body, for the message
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -240,7 +242,10 @@ def main() -> None:
         contenders.append(("hyla student", "hyla", args.student))
     long_rows = {}
     for label, kind, source in contenders:
-        long_rows[label] = long_context_row(kind, source, args)
+        try:
+            long_rows[label] = long_context_row(kind, source, args)
+        except httpx.HTTPStatusError as e:      # recorded, so the other rows still count
+            long_rows[label] = {"error": f"{e.response.status_code}: {e.response.text[:300]}"}
         print(f"long context, {label}: {long_rows[label]}", flush=True)
     RESULTS.parent.mkdir(exist_ok=True)
     previous = json.loads(RESULTS.read_text()) if RESULTS.is_file() and not med else {}
