@@ -1,6 +1,6 @@
 """Teacher and student side by side: what a distilled (or any other) model kept.
 
-Perplexity and passkey retrieval (:func:`hyla.train.distill_report.model_report`), accuracy on
+Perplexity and passkey retrieval (:func:`hyla.eval.model_report.model_report`), accuracy on
 ``lm-eval`` tasks (:func:`skill_scores`, installed tasks by name or local YAML tasks under
 ``include_path``) and the recall-by-load curve of key-value pairs written as text
 (:func:`hyla.eval.recall_text.text_recall`), for two models, with the student's figure over
@@ -106,9 +106,9 @@ def compare_models(teacher_src, student_src, *, tasks: Sequence[str] = (),
     [{"num_kv_pairs", "teacher", "student", "ratio"}], "seconds": {...}}``; each model's
     entry holds its name, its ``model_report``, skills and recall records.
     """
+    from hyla.eval.model_report import model_report
     from hyla.eval.recall_text import text_recall
     from hyla.model.load import resolve_source
-    from hyla.train.distill_report import model_report  # lazy: train imports eval
 
     tasks = list(tasks)
     if recall_pairs is not None:

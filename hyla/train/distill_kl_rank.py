@@ -39,7 +39,7 @@ def linear_student(teacher: HylaLM, block: tuple, *, window: int, sinks: int,
     """The all-linear student (every layer ``linear``, windowed) built from ``teacher`` and
     calibrated on ``block`` = ``(ids [1, T], cu_seqlens)`` as distillation calibrates its
     students (:func:`hyla.train.distill_init.calibrate_student`), in eval mode."""
-    from hyla.train.distill_layers import mixer_inputs
+    from hyla.train.teacher_hooks import mixer_inputs
 
     student = build_student(teacher, linear * teacher.cfg.n_layers, window=window,
                             sinks=sinks).eval()
