@@ -11,7 +11,7 @@ entries as ``[slots, *shape]``, growing entries paged as ``[blocks, block_size, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +44,8 @@ class Context:
     # decode, eager: (first block, rows) a sequence when each one's blocks are consecutive,
     # so attention reads its rows as a view of the paged buffer instead of gathering them
     kv_spans: tuple[tuple[int, int], ...] | None = None
+    # what every layer of one forward would compute alike (rotary tables), by the layer's key
+    memo: dict = field(default_factory=dict)
 
     # -- builders ------------------------------------------------------------------------
     @classmethod

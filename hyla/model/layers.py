@@ -29,6 +29,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype is torch.float32 and self.weight.dtype is torch.float32 \
+                and not self.zero_centred:
+            # one fused call where nothing needs converting (a decode step makes 60 of these)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         w = self.weight.float()
@@ -163,6 +167,37 @@ def _yarn(dim, theta, factor, original, scaling, exponents):
     return inv_freq, float(attention)
 
 
+def rotary_tables(positions: torch.Tensor, dim: int, theta: float,
+                  scaling: dict | None = None, lengths: torch.Tensor | None = None,
+                  *, batched: bool | None = None, device=None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin [(B or 1), T, 1, dim] float32 that :func:`rotate` turns a head by,
+    for absolute ``positions`` [B, T] or [T] (``batched``: whether they are [B, T]; by
+    default, whether they are 2-D). Compute them once per forward and rotate every layer's
+    q and k with them: the tables are the costly half of rotary."""
+    if scaling is None:
+        inv_freq = theta ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+        factor = 1.0
+    else:
+        inv_freq, factor = rope_frequencies(dim, theta, scaling, device=device, lengths=lengths)
+    angles = positions.to(device, torch.float32)[..., None] * inv_freq     # [(B,) T, D/2]
+    batched = positions.dim() == 2 if batched is None else batched
+    angles = angles.reshape(-1 if batched else 1, positions.shape[-1], 1, dim // 2)
+    cos, sin = angles.cos(), angles.sin()
+    if factor != 1.0:                   # yarn: cos and sin scaled, as transformers does
+        cos, sin = cos * factor, sin * factor
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``x`` [B, T, H, D] turned by :func:`rotary_tables` (half-split layout):
+    ``[x1 cos - x2 sin, x2 cos + x1 sin]``, as ``x cos + roll(x, D / 2) * (-sin, sin)``."""
+    cos, sin = tables
+    xf = x if x.dtype is torch.float32 else x.float()
+    out = torch.addcmul(xf * cos, xf.roll(x.shape[-1] // 2, dims=-1), sin)
+    return out if out.dtype is x.dtype else out.to(x.dtype)
+
+
 def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float,
                  scaling: dict | None = None, lengths: torch.Tensor | None = None
                  ) -> torch.Tensor:
@@ -178,17 +213,5 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float,
         >>> torch.allclose(apply_rotary(x, torch.zeros(5, dtype=torch.long), 1e4), x)
         True
     """
-    D = x.shape[-1]
-    if scaling is None:
-        inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
-        factor = 1.0
-    else:
-        inv_freq, factor = rope_frequencies(D, theta, scaling, device=x.device, lengths=lengths)
-    angles = positions.to(x.device, torch.float32)[..., None] * inv_freq     # [(B,) T, D/2]
-    angles = angles.reshape(-1 if positions.dim() == 2 else 1, x.shape[1], 1, D // 2)
-    cos, sin = angles.cos(), angles.sin()
-    if factor != 1.0:                   # yarn: cos and sin scaled, as transformers does
-        cos, sin = cos * factor, sin * factor
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.to(x.dtype)
+    tables = rotary_tables(positions, x.shape[-1], theta, scaling, lengths, device=x.device)
+    return rotate(x, tables)

@@ -37,13 +37,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyla.model.fused_projections import fuse_siblings
+from hyla.perf import release_freed_memory
+
 SCHEMES = ("none", "int8", "int4")
 INT4_GROUP = 32
-# torch's packed kernels are matrix-vector products: their time grows with every row. A
-# decode batch (up to a few dozen rows) is still faster through them, but a prefill chunk is
-# faster dequantising the one weight and running a dense GEMM (measured on SmolLM2's output
-# layer: the kernel costs about as much as the dequantisation at 60-80 rows).
+# torch's packed kernels are matrix-vector products: their time grows with every row. Past a
+# few rows a dense GEMM on the dequantised weight is faster. Where bf16 GEMMs are fast (AMX,
+# AVX512-BF16) the dense weight is kept in bf16 once made, and wins from 8 rows (measured on
+# SmolLM2's shapes: int4 59 against bf16 71 us at 4 rows, 131 against 108 at 8, 219 against
+# 133 at 16). Elsewhere it is dequantised to fp32 for each call, which pays from 64 rows.
+DENSE_BF16_MIN_ROWS = 8
 KERNEL_MAX_ROWS = 64
+# torch 2.13's CPU int8 kernel returns garbage (inf, 1e27) unless the input size is a multiple
+# of 16 (found on an MoE's 40-wide shared expert): other sizes take the dense path.
+INT8_KERNEL_K = 16
 # The CPU int4 packing for out_features % 64 == 0: per block of 64 output rows and per input
 # column, 32 bytes whose low nibbles are rows 0-31 and high nibbles rows 32-63.
 INT4_BLOCK_N = 64
@@ -57,7 +65,51 @@ def _check_device(scheme: str, device: torch.device) -> None:
                          f"only, not {device.type}; serve with --quantize none on {device.type}")
 
 
-class Int8Linear(nn.Module):
+@functools.cache
+def _dense_in_bf16() -> bool:
+    from hyla.ops.hardware import fast_low_precision_matmul
+
+    return fast_low_precision_matmul(torch.bfloat16, "cpu")
+
+
+class WeightOnlyLinear(nn.Module):
+    """What :class:`Int8Linear` and :class:`Int4Linear` share: a few rows (decode) through
+    torch's packed kernel, in bf16 activations; many rows (prefill, wide batches) through a
+    dense GEMM on the dequantised weight (kept in bf16 where bf16 is fast: memory for speed,
+    made on first use, so a model that only decodes one row never holds it)."""
+
+    in_features: int
+    out_features: int
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        rows = flat.shape[0]
+        # dtype checks before .to: a no-op conversion still costs a dispatch (~1 us), and a
+        # decode step makes hundreds of these calls
+        if rows >= DENSE_BF16_MIN_ROWS and _dense_in_bf16():
+            dense = self.__dict__.get("_dense_bf16")
+            if dense is None:   # a plain attribute: not in the state dict, not moved by .to
+                dense = self.__dict__["_dense_bf16"] = self.dequantized(torch.bfloat16)
+            y = F.linear(flat if flat.dtype is torch.bfloat16 else flat.to(torch.bfloat16),
+                         dense)
+        elif rows > KERNEL_MAX_ROWS and _int4_layout_known():
+            y = F.linear(flat, self.dequantized(x.dtype))
+        else:
+            y = self._kernel(flat if flat.dtype is torch.bfloat16 else flat.to(torch.bfloat16))
+        if y.dtype is not x.dtype:
+            y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(WeightOnlyLinear):
     """``y = x @ dequant(W).T + b`` with W int8 [out, in] and one bf16 scale per output row."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -70,18 +122,13 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.in_features, self.out_features = w.shape[1], w.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] > KERNEL_MAX_ROWS:
-            return F.linear(x, self.dequantized(x.dtype), self.bias)
-        y = torch._weight_int8pack_mm(flat.to(torch.bfloat16), self.qweight, self.scales)
-        y = y.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_features % INT8_KERNEL_K:
+            return F.linear(x, self.dequantized(x.dtype))
+        return torch._weight_int8pack_mm(x, self.qweight, self.scales)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
+        return (self.qweight.float() * self.scales.float()[:, None]).to(dtype)
 
 
 def int4_fits(weight: torch.Tensor, group: int = INT4_GROUP) -> bool:
@@ -109,7 +156,7 @@ def _int4_layout_known() -> bool:
             and torch.equal(_unpack_int4(packed, *codes.shape).to(torch.int32), codes))
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(WeightOnlyLinear):
     """Weights as 4-bit codes in groups along the input: ``w = (q - 8) * scale + zero``."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = INT4_GROUP):
@@ -130,22 +177,15 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.in_features, self.out_features, self.group = k, n, group
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] > KERNEL_MAX_ROWS and _int4_layout_known():
-            return F.linear(x, self.dequantized(x.dtype), self.bias)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.to(torch.bfloat16), self.packed,
-                                                        self.group, self.scales_zeros)
-        y = y.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
+                                                           self.scales_zeros)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k, g = self.out_features, self.in_features, self.group
-        codes = _unpack_int4(self.packed, n, k).to(dtype).view(n, k // g, g) - 8
-        scale, zero = self.scales_zeros.to(dtype).transpose(0, 1).unbind(-1)   # [n, k / g]
-        return (codes * scale[..., None] + zero[..., None]).view(n, k)
+        codes = _unpack_int4(self.packed, n, k).float().view(n, k // g, g) - 8
+        scale, zero = self.scales_zeros.float().transpose(0, 1).unbind(-1)   # [n, k / g]
+        return (codes * scale[..., None] + zero[..., None]).view(n, k).to(dtype)
 
 
 class Int8Embedding(nn.Module):
@@ -203,21 +243,27 @@ def quantize_model(model: nn.Module, scheme: str, *, group: int = INT4_GROUP) ->
         _check_device(scheme, first.device)
     if model.training:
         model.eval()
-    replaced = int4 = 0
+    def make(weight: torch.Tensor, bias: torch.Tensor | None, name: str = "") -> nn.Module:
+        # The output layer stays int8 under int4, as llama.cpp's 4-bit files keep it at 6-8
+        # bits: each of its errors lands directly on a logit.
+        if scheme == "int4" and name != "lm_head" and int4_fits(weight, group):
+            return Int4Linear(weight, bias, group)
+        return Int8Linear(weight, bias)
+
+    replaced = 0
+    for parent in list(model.modules()):
+        replaced += fuse_siblings(parent, make)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                # The output layer stays int8 under int4, as llama.cpp's 4-bit files keep it
-                # at 6-8 bits: each of its errors lands directly on a logit.
-                if scheme == "int4" and name != "lm_head" and int4_fits(child.weight, group):
-                    new: nn.Module = Int4Linear(child.weight, child.bias, group)
-                    int4 += 1
-                else:
-                    new = Int8Linear(child.weight, child.bias)
-                setattr(parent, name, new)
+            # An MoE router stays as it is: it reads its weight directly, in float32, since
+            # its top-k choices flip on small errors.
+            if isinstance(child, nn.Linear) and name != "router":
+                setattr(parent, name, make(child.weight, child.bias, name))
                 replaced += 1
             elif isinstance(child, nn.Embedding):
                 setattr(parent, name, Int8Embedding(child.weight))
+    int4 = sum(isinstance(m, Int4Linear) for m in model.modules())
     model.requires_grad_(False)
     model.quantized = scheme  # what checkpoint writers and trainers check before they run
+    release_freed_memory()    # the float weights just dropped: give their pages back
     return QuantReport(scheme, replaced, int4, before, _tensor_bytes(model))

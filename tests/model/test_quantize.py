@@ -45,8 +45,8 @@ def test_int4_takes_q4_blocks_exactly():
 
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
 def test_prefill_rows_take_the_dense_path_with_the_same_weights(cls):
-    # A few rows go through torch's packed kernel, many through the dequantised weight:
-    # both must compute the same product (up to the kernel's bf16 activations).
+    # A few rows go through torch's packed kernel, many through the dequantised weight (in
+    # bf16 where bf16 is fast): both compute the same product up to bf16 rounding.
     torch.manual_seed(0)
     lin = torch.nn.Linear(128, 192, bias=False)
     q = cls(lin.weight, None)
@@ -54,7 +54,7 @@ def test_prefill_rows_take_the_dense_path_with_the_same_weights(cls):
     few = torch.cat([q(x[i:i + 1]) for i in range(len(x))])
     many = q(x)
     assert torch.allclose(few, many, atol=0.02 * many.abs().max().item())
-    assert torch.allclose(many, x @ q.dequantized().T, atol=1e-4)
+    assert torch.allclose(many, x @ q.dequantized().T, atol=0.02 * many.abs().max().item())
 
 
 def test_the_int4_packing_is_the_one_unpacked():
@@ -101,3 +101,13 @@ def test_bad_scheme_and_device_are_named():
     with pytest.raises(ValueError, match="int4.*CPU only.*cuda"):
         _check_device("int4", torch.device("cuda"))
     assert quantize_model(model, "none").layers == 0
+
+
+@pytest.mark.parametrize("k", [8, 24, 40, 100, 128])
+def test_int8_is_right_for_input_sizes_the_kernel_gets_wrong(k):
+    # torch's int8 kernel returns inf / 1e27 for input sizes not a multiple of 16
+    torch.manual_seed(0)
+    q = Int8Linear(torch.randn(64, k), None)
+    x = torch.randn(1, k)
+    want = x @ q.dequantized().T
+    assert torch.allclose(q(x), want, atol=0.05 * want.abs().max().item())

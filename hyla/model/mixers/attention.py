@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyla.model.layers import RMSNorm, apply_rotary
+from hyla.model.layers import RMSNorm, rotary_tables, rotate
 from hyla.model.mixers.base import Mixer, StateSpec, TensorSpec, merge_kv_heads, register_mixer
 from hyla.ops.attention import attention, attention_with_cache, window_mask, with_sinks
 
@@ -114,6 +114,8 @@ class AttentionMixer(Mixer):
             self.sinks = nn.Parameter(torch.zeros(cfg.n_heads))
         # read every step: parsing the options again (rotary_dim) cost ~1 ms a layer a token
         self.rot_dim = self.rotary_dim(cfg)
+        # layers that turn alike share one set of rotary tables per forward (ctx.memo)
+        self.rotary_key = ("rotary", self.rot_dim, cfg.rope_theta, repr(cfg.rope_scaling))
 
     @classmethod
     def value_head_dim(cls, cfg) -> int:
@@ -167,9 +169,11 @@ class AttentionMixer(Mixer):
                 tensor = merge_kv_heads(flat, heads, new).reshape(-1, *tensor.shape[1:])
             self.get_parameter(name).copy_(tensor)
 
-    def _project(self, x: torch.Tensor, positions: torch.Tensor, lengths=None):
+    def _project(self, x: torch.Tensor, positions: torch.Tensor, lengths=None,
+                 memo: dict | None = None):
         """q, k [B, T, H(_kv), head_dim] (normed, rotated), v [B, T, H_kv, value_head_dim]
-        (scaled) and the output gate [B, T, H * head_dim] (None without one)."""
+        (scaled) and the output gate [B, T, H * head_dim] (None without one). ``memo``: the
+        forward's :attr:`Context.memo`, where the rotary tables are shared."""
         B, T, _ = x.shape
         c, o = self.cfg, self.opts
         q, gate = self.q_proj(x), None
@@ -187,20 +191,27 @@ class AttentionMixer(Mixer):
         if c.qk_norm and o.qk_norm_scope == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if T == 1:      # decode: one rotation of q and k together (one cos/sin), fewer ops
-            qk = self._rotate(torch.cat([q, k], dim=2), positions, lengths)
+            qk = self._rotate(torch.cat([q, k], dim=2), positions, lengths, memo)
             q, k = qk.split([c.n_heads, c.n_kv_heads], dim=2)
             return q, k, v, gate
-        return self._rotate(q, positions, lengths), self._rotate(k, positions, lengths), v, gate
+        return (self._rotate(q, positions, lengths, memo),
+                self._rotate(k, positions, lengths, memo), v, gate)
 
-    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, lengths) -> torch.Tensor:
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, lengths,
+                memo: dict | None = None) -> torch.Tensor:
         c = self.cfg
         rot = self.rot_dim
         if rot == 0:
             return x
+        tables = None if memo is None else memo.get(self.rotary_key)
+        if tables is None:
+            tables = rotary_tables(positions, rot, c.rope_theta, c.rope_scaling, lengths,
+                                   device=x.device)
+            if memo is not None:
+                memo[self.rotary_key] = tables
         if rot == c.head_dim:
-            return apply_rotary(x, positions, c.rope_theta, c.rope_scaling, lengths)
-        turned = apply_rotary(x[..., :rot], positions, c.rope_theta, c.rope_scaling, lengths)
-        return torch.cat([turned, x[..., rot:]], dim=-1)
+            return rotate(x, tables)
+        return torch.cat([rotate(x[..., :rot], tables), x[..., rot:]], dim=-1)
 
     def _output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         o = o.reshape(*o.shape[:2], -1)
@@ -225,13 +236,13 @@ class AttentionMixer(Mixer):
         return pos + 1
 
     def attention_qk(self, x: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, _, _ = self._project(x, ctx.positions, self._rope_lengths(ctx))
+        q, k, _, _ = self._project(x, ctx.positions, self._rope_lengths(ctx), ctx.memo)
         return q, k
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         if ctx.mode == "decode":
             return self._attend_step(x, ctx)
-        q, k, v, gate = self._project(x, ctx.positions, self._rope_lengths(ctx))
+        q, k, v, gate = self._project(x, ctx.positions, self._rope_lengths(ctx), ctx.memo)
         if ctx.mode == "train":
             o = attention(q, k, v, causal=True, cu_seqlens=ctx.cu_seqlens,
                           window=self.cfg.sliding_window, sinks=self._sinks())
@@ -270,7 +281,7 @@ class AttentionMixer(Mixer):
         positions = ctx.positions
         lengths = self._rope_lengths(ctx)
         q, k, v, gate = self._project(x, positions[:, None],
-                                      None if lengths is None else lengths[:, None])
+                                      None if lengths is None else lengths[:, None], ctx.memo)
         ctx.append_rows(buf["keys"], k[:, 0])
         ctx.append_rows(buf["values"], v[:, 0])
         window = self.cfg.sliding_window
