@@ -178,8 +178,12 @@ def start_long(kind: str, source: str, port: int, args) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     ctx = str(max(LONG_CONTEXTS) + 1024)
     if kind == "llama.cpp":
+        # llama-server caps a slot at the model's training context (8,192 for SmolLM2) unless
+        # YaRN stretches it: 2.5 x 8,192 admits 16K prompts. The positions' arithmetic
+        # changes, not the work a token costs (hyla's teacher runs past 8K unscaled).
         cmd = [str(llama_server()), "-m", source, "-t", "1", "-tb", "1", "-nr", "--host",
-               "127.0.0.1", "--port", str(port), "-np", "1", "-c", ctx]
+               "127.0.0.1", "--port", str(port), "-np", "1", "-c", ctx,
+               "--rope-scaling", "yarn", "--rope-scale", "2.5", "--yarn-orig-ctx", "8192"]
     else:
         cmd = [sys.executable, "-m", "hyla", "serve", "--checkpoint", source, "--threads", "1",
                "--port", str(port), "--max-num-seqs", "1", "--max-model-len", ctx,

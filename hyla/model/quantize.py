@@ -92,7 +92,7 @@ class WeightOnlyLinear(nn.Module):
         rows = flat.shape[0]
         # dtype checks before .to: a no-op conversion still costs a dispatch (~1 us), and a
         # decode step makes hundreds of these calls
-        if rows >= DENSE_BF16_MIN_ROWS and _dense_in_bf16():
+        if rows >= DENSE_BF16_MIN_ROWS and _dense_in_bf16() and _int4_layout_known():
             dense = self.__dict__.get("_dense_bf16")
             if dense is None:   # a plain attribute: not in the state dict, not moved by .to
                 dense = self.__dict__["_dense_bf16"] = self.dequantized(torch.bfloat16)
@@ -188,6 +188,58 @@ class Int4Linear(WeightOnlyLinear):
         return (codes * scale[..., None] + zero[..., None]).view(n, k).to(dtype)
 
 
+def _int4_pack(codes: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+
+
+def _scales_zeros(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """[n, groups] scales and zeros as the int4 kernel takes them: [groups, n, 2] bf16."""
+    return torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+
+class Int8GroupLinear(WeightOnlyLinear):
+    """8-bit codes in groups of 32 along the input, ``w = scale * q + offset``, run as two
+    4-bit halves (``q = 16 h + l``) through torch's int4 kernel: on SmolLM2's 49,152 x 576
+    output layer the two passes take 3.8 ms a token against 5.2 ms for torch's int8 kernel
+    (one thread), at 8 bits per weight and a finer grid than one scale per row."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = INT4_GROUP):
+        super().__init__()
+        w = weight.detach().float()
+        n, k = w.shape
+        groups = w.view(n, k // group, group)
+        lo, hi = groups.amin(-1), groups.amax(-1)
+        # 253 steps over the range, not 255, and the scale rounded up: the bf16 rounding of
+        # the scale (over 255 steps) and of the zero must not push a weight off the grid
+        scale = ((hi - lo) / 253 * (1 + 2 ** -7)).clamp(min=1e-12).to(torch.bfloat16).float()
+        # the kernel centres each half's codes on 8: the halves add -8 * (16 + 1) * scale,
+        # which the high half's zero gives back (the low half's zero is 0); code 1 is lo.
+        # Codes are chosen against the bf16-rounded zero, as Int4Linear does.
+        zero = (lo + 135 * scale).to(torch.bfloat16).float()
+        codes = ((groups - (zero - 136 * scale)[..., None]) / scale[..., None]).round()
+        codes = codes.clamp(0, 255).view(n, k)
+        self.register_buffer("high", _int4_pack(codes // 16))
+        self.register_buffer("low", _int4_pack(codes % 16))
+        self.register_buffer("high_scales_zeros", _scales_zeros(16 * scale, zero))
+        self.register_buffer("low_scales_zeros", _scales_zeros(scale, torch.zeros_like(zero)))
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.in_features, self.out_features, self.group = k, n, group
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        return (mm(x, self.high, self.group, self.high_scales_zeros)
+                + mm(x, self.low, self.group, self.low_scales_zeros))
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k, g = self.out_features, self.in_features, self.group
+        total = torch.zeros(n, k // g, g)
+        for packed, sz in ((self.high, self.high_scales_zeros), (self.low, self.low_scales_zeros)):
+            codes = _unpack_int4(packed, n, k).float().view(n, k // g, g) - 8
+            scale, zero = sz.float().transpose(0, 1).unbind(-1)
+            total += codes * scale[..., None] + zero[..., None]
+        return total.view(n, k).to(dtype)
+
+
 class Int8Embedding(nn.Module):
     """An embedding table as int8 rows with one scale each (looked up, then scaled)."""
 
@@ -244,9 +296,13 @@ def quantize_model(model: nn.Module, scheme: str, *, group: int = INT4_GROUP) ->
     if model.training:
         model.eval()
     def make(weight: torch.Tensor, bias: torch.Tensor | None, name: str = "") -> nn.Module:
-        # The output layer stays int8 under int4, as llama.cpp's 4-bit files keep it at 6-8
-        # bits: each of its errors lands directly on a logit.
-        if scheme == "int4" and name != "lm_head" and int4_fits(weight, group):
+        # The output layer keeps 8 bits under int4, as llama.cpp's 4-bit files keep it at 6-8
+        # bits: each of its errors lands directly on a logit (4 bits there cost SmolLM2 4%
+        # perplexity). In groups where the int4 kernel can run it: faster than per row.
+        fits = int4_fits(weight, group)
+        if name == "lm_head":
+            return Int8GroupLinear(weight, bias, group) if fits else Int8Linear(weight, bias)
+        if scheme == "int4" and fits:
             return Int4Linear(weight, bias, group)
         return Int8Linear(weight, bias)
 

@@ -203,7 +203,7 @@ class Runner:
         return table[pos // self.block_size], pos % self.block_size
 
     # -- compute -----------------------------------------------------------------------
-    @torch.no_grad()
+    @torch.inference_mode()   # cheaper than no_grad a call: no version counters
     def prefill(self, chunks: list[tuple[int, list[int], int, list[int]]]) -> torch.Tensor:
         """Compute prompt chunks of several sequences packed together.
 
@@ -220,7 +220,7 @@ class Runner:
                               device=self.device)
         return self.model(ids[None], ctx)[0].float()
 
-    @torch.no_grad()
+    @torch.inference_mode()   # cheaper than no_grad a call: no version counters
     def prefill_scored(self, chunks: list[tuple[int, list[int], int, list[int]]],
                        score: list[tuple[list[int], int] | None], *, rows_at_once: int = 256
                        ) -> tuple[torch.Tensor, list[ScoredRows | None]]:
@@ -281,7 +281,7 @@ class Runner:
                                   torch.cat(top_v).cpu()))
         return logits, out
 
-    @torch.no_grad()
+    @torch.inference_mode()   # cheaper than no_grad a call: no version counters
     def decode(self, slots: list[int], tokens: list[int], positions: list[int],
                block_tables: list[list[int]], width: int) -> torch.Tensor:
         """One token for each of B sequences.

@@ -7,6 +7,7 @@ from hyla.model import HylaLM, preset
 from hyla.model.quantize import (
     KERNEL_MAX_ROWS,
     Int4Linear,
+    Int8GroupLinear,
     Int8Linear,
     _int4_layout_known,
     int4_fits,
@@ -69,7 +70,7 @@ def test_int4_falls_back_to_int8_where_the_kernel_cannot():
     kinds = {type(m).__name__ for m in model.modules()}
     assert {"Int4Linear", "Int8Linear", "Int8Embedding"} <= kinds
     assert 0 < report.int4_layers < report.layers
-    assert isinstance(model.lm_head, Int8Linear)       # the output layer keeps 8 bits
+    assert isinstance(model.lm_head, Int8GroupLinear)  # the output layer keeps 8 bits
     assert "Linear" not in kinds and "Embedding" not in kinds
 
 
@@ -111,3 +112,16 @@ def test_int8_is_right_for_input_sizes_the_kernel_gets_wrong(k):
     x = torch.randn(1, k)
     want = x @ q.dequantized().T
     assert torch.allclose(q(x), want, atol=0.05 * want.abs().max().item())
+
+
+def test_int8_in_groups_is_8_bits_through_two_int4_passes():
+    torch.manual_seed(0)
+    w = torch.randn(128, 96) * torch.rand(128, 1)           # rows of different ranges
+    q = Int8GroupLinear(w, None)
+    step = (w.view(128, 3, 32).amax(-1) - w.view(128, 3, 32).amin(-1)) / 255
+    err = (q.dequantized() - w).view(128, 3, 32).abs().amax(-1)
+    assert (err <= 0.52 * step + 1e-6).all()                # half a step of 8 bits
+    x = torch.randn(3, 96)
+    want = x.bfloat16().float() @ q.dequantized().T
+    assert torch.allclose(q(x), want, atol=0.01 * want.abs().max().item())
+    assert (q(x) - x @ w.T).norm() < 0.01 * (x @ w.T).norm()
