@@ -6,8 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from hyla.model import HylaLM, preset
-from hyla.model import fused_projections
+from hyla.model import HylaLM, fused_projections, preset
 from hyla.model.fused_projections import SharedProduct, SharedSlice
 from hyla.model.quantize import quantize_model
 
