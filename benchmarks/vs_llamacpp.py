@@ -185,9 +185,12 @@ def start_long(kind: str, source: str, port: int, args) -> subprocess.Popen:
                "127.0.0.1", "--port", str(port), "-np", "1", "-c", ctx,
                "--rope-scaling", "yarn", "--rope-scale", "2.5", "--yarn-orig-ctx", "8192"]
     else:
+        # KV in bf16, as llama.cpp keeps it in f16: at 16K rows a decode step is reading the
+        # cache, and half the bytes is about half the time (hyla/ops/attention.py)
         cmd = [sys.executable, "-m", "hyla", "serve", "--checkpoint", source, "--threads", "1",
                "--port", str(port), "--max-num-seqs", "1", "--max-model-len", ctx,
-               "--log-level", "warning", "--quantize", args.quantize]
+               "--log-level", "warning", "--quantize", args.quantize,
+               "--kv-cache-dtype", "bfloat16"]
     return launch(kind, cmd, env, port)[0]
 
 

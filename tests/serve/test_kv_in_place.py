@@ -45,6 +45,21 @@ def test_in_place_decode_matches_the_gather_and_reads_no_gathered_rows(model, mo
     torch.testing.assert_close(in_place, gathered, rtol=1e-5, atol=1e-5)
 
 
+def test_long_spans_read_by_two_gemms_give_what_sdpa_gives(model, monkeypatch):
+    from hyla.model.mixers import attention as attention_module
+
+    tables = [[0, 1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13]]
+    sdpa = _decode_logits(model, tables, in_place=True)
+    calls = []
+    real = attention_module.attend_one_query
+    monkeypatch.setattr(attention_module, "LONG_SPAN_ROWS", 5)     # most steps take it
+    monkeypatch.setattr(attention_module, "attend_one_query",
+                        lambda *a: calls.append(1) or real(*a))
+    gemms = _decode_logits(model, tables, in_place=True)
+    assert calls
+    torch.testing.assert_close(gemms, sdpa, rtol=1e-5, atol=1e-5)
+
+
 def test_scattered_blocks_fall_back_to_the_gather(model):
     scattered = [[0, 5, 2, 9, 4, 11, 6], [1, 3, 7, 8, 10, 12, 13]]
     assert kv_spans(scattered, [7, 3], 4) is None

@@ -14,7 +14,13 @@ from torch import nn
 
 from hyla.model.layers import RMSNorm, rotary_tables, rotate
 from hyla.model.mixers.base import Mixer, StateSpec, TensorSpec, merge_kv_heads, register_mixer
-from hyla.ops.attention import attention, attention_with_cache, window_mask, with_sinks
+from hyla.ops.attention import (
+    attend_one_query,
+    attention,
+    attention_with_cache,
+    window_mask,
+    with_sinks,
+)
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,11 @@ class AttentionOptions:
         if self.value_head_dim is not None and self.value_head_dim <= 0:
             raise ValueError(f"value_head_dim must be a positive int or None, "
                              f"got {self.value_head_dim}")
+
+
+# From this many cached rows a decode step reads a sequence's KV span with
+# :func:`attend_one_query` (two GEMMs) instead of SDPA (measured crossover: 1K-4K rows).
+LONG_SPAN_ROWS = 2048
 
 
 @register_mixer("A")
@@ -315,11 +326,15 @@ class AttentionMixer(Mixer):
         h_kv = keys.shape[-2]
         outs = []
         for b in range(B):
+            k, v = ctx.span_rows(keys, b), ctx.span_rows(values, b)
+            qb = q[b, 0] if q.dtype is k.dtype else q[b, 0].to(k.dtype)
+            if k.shape[0] >= LONG_SPAN_ROWS:    # two GEMMs over the rows as they lie
+                outs.append(attend_one_query(qb, k, v).view(h_kv, H // h_kv, -1))
+                continue
             # 4-D [1, Hkv, rows, D]: what the fused CPU kernel takes (3-D goes the slow way)
-            k = ctx.span_rows(keys, b).transpose(0, 1)[None]
-            v = ctx.span_rows(values, b).transpose(0, 1)[None]
-            qb = q[b, 0].reshape(1, h_kv, H // h_kv, D).to(k.dtype)
-            outs.append(F.scaled_dot_product_attention(qb, k, v)[0])
+            outs.append(F.scaled_dot_product_attention(
+                qb.reshape(1, h_kv, H // h_kv, D), k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None])[0])
         return torch.stack(outs).reshape(B, 1, H, -1).to(q.dtype)
 
     def _window_rows(self, buf, ctx):
