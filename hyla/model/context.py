@@ -41,9 +41,10 @@ class Context:
     token_blocks: torch.Tensor | None = None   # the block and offset each new token's row
     token_offsets: torch.Tensor | None = None  #   goes to in a growing buffer
     logits_at: torch.Tensor | None = None      # rows to compute logits for (None: all)
-    # decode, eager: (first block, rows) a sequence when each one's blocks are consecutive,
-    # so attention reads its rows as a view of the paged buffer instead of gathering them
-    kv_spans: tuple[tuple[int, int], ...] | None = None
+    # decode, eager: a sequence's new row's (block, offset) and the row ranges of the
+    # flattened paged buffer holding its rows (hyla.serve.runner.kv_spans), so attention
+    # reads them as views instead of gathering them
+    kv_spans: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] | None = None
     # what every layer of one forward would compute alike (rotary tables), by the layer's key
     memo: dict = field(default_factory=dict)
 
@@ -94,7 +95,7 @@ class Context:
     def decode(cls, slots: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                buffers: list[dict[str, torch.Tensor]], *, block_size: int,
                slot_span: slice | None = None,
-               kv_spans: tuple[tuple[int, int], ...] | None = None) -> Context:
+               kv_spans: tuple | None = None) -> Context:
         """One token for each of B sequences: token b at ``positions[b]`` (the tokens its
         state already holds), state in row ``slots[b]``, blocks ``block_tables[b]`` [B, nb]
         (padded). Tensors only, so ``torch.compile`` traces it without graph breaks.
@@ -124,8 +125,8 @@ class Context:
     def append_rows(self, buf: torch.Tensor, rows: torch.Tensor) -> None:
         """Store this step's new tokens' rows [tokens, *shape] in a paged growing buffer."""
         if self.kv_spans is not None:       # decode, places known as ints: plain row copies
-            for b, (first, n) in enumerate(self.kv_spans):
-                buf[first + (n - 1) // self.block_size, (n - 1) % self.block_size].copy_(rows[b])
+            for b, (block, offset, _) in enumerate(self.kv_spans):
+                buf[block, offset].copy_(rows[b])
             return
         buf[self.token_blocks, self.token_offsets] = rows.to(buf.dtype)
 
@@ -139,11 +140,11 @@ class Context:
         (rows past a sequence's length are padding: mask them by ``positions``)."""
         return buf[self.block_tables].flatten(1, 2)
 
-    def span_rows(self, buf: torch.Tensor, b: int) -> torch.Tensor:
-        """Decode with :attr:`kv_spans`: sequence ``b``'s rows of a paged growing buffer,
-        [rows, *shape], a view (no copy) of its consecutive blocks."""
-        first, rows = self.kv_spans[b]
-        return buf[first:first + -(-rows // self.block_size)].flatten(0, 1)[:rows]
+    def span_rows(self, buf: torch.Tensor, b: int) -> list[torch.Tensor]:
+        """Decode with :attr:`kv_spans`: sequence ``b``'s rows of a paged growing buffer as
+        views (no copy), [rows, *shape] each, together all its rows in no set order."""
+        flat = buf.flatten(0, 1)
+        return [flat[first:first + rows] for first, rows in self.kv_spans[b][2]]
 
 
 def _span(slots: list[int]) -> slice | None:

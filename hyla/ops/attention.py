@@ -201,32 +201,41 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int) -> list[int]:
     return offsets
 
 
-def attend_one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One token's attention over a long cache held row-major, as the paged KV blocks hold it:
-    q [H, D], k [rows, H_kv, D], v [rows, H_kv, Dv] (contiguous) -> [H, Dv], softmax scale
-    1 / sqrt(D), no mask (every row is visible).
+def attend_one_query(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
+                     ) -> torch.Tensor:
+    """One token's attention over a cache held row-major in pieces, as paged KV blocks hold
+    it: q [H, D], ``keys[i]`` [rows_i, H_kv, D] and ``values[i]`` [rows_i, H_kv, Dv]
+    (contiguous; together all the rows, in any order) -> [H, Dv], softmax scale 1 / sqrt(D),
+    no mask (every row is visible).
 
     SDPA on a [H_kv, rows, D] view of that layout reads it at 4-5 GB/s on one CPU thread;
     here each query head becomes a row that is zero outside its KV head's dims, so the scores
-    and the output are two GEMMs over the cache as it lies, read once and in order (the
-    zeros cost flops, which a memory-bound step has to spare). Measured over 30 SmolLM2
-    layers, one thread: 154 against 268 ms at 16K rows, 38 against 43 at 4K; slower below
-    about 2K rows, where SDPA stays.
+    and the output are GEMMs over the cache as it lies, read once and in order (the zeros
+    cost flops, which a memory-bound step has to spare). Measured over 30 SmolLM2 layers,
+    one thread: 154 against 268 ms at 16K rows, 38 against 43 at 4K; slower below about 2K
+    rows, where one piece goes to SDPA instead.
 
     Example:
         >>> q, k, v = torch.randn(4, 8), torch.randn(50, 2, 8), torch.randn(50, 2, 8)
         >>> ref = F.scaled_dot_product_attention(q.view(2, 2, 8), k.transpose(0, 1),
         ...                                      v.transpose(0, 1)).reshape(4, 8)
-        >>> torch.allclose(attend_one_query(q, k, v), ref, atol=1e-5)
+        >>> out = attend_one_query(q, [k[30:], k[:30]], [v[30:], v[:30]])
+        >>> torch.allclose(out, ref, atol=1e-5)
         True
     """
     H, D = q.shape
-    rows, h_kv, dv = v.shape
+    h_kv, dv = values[0].shape[1:]
     heads = torch.arange(H, device=q.device)
     group = heads // (H // h_kv)
     wide = q.new_zeros(H, h_kv, D)
     wide[heads, group] = q
-    scores = wide.view(H, h_kv * D) @ k.reshape(rows, h_kv * D).T          # [H, rows]
-    probs = (scores.float() * D ** -0.5).softmax(-1).to(v.dtype)
-    out = probs @ v.reshape(rows, h_kv * dv)                                 # [H, H_kv * Dv]
+    wide = wide.view(H, h_kv * D)
+    scores = [wide @ k.reshape(k.shape[0], h_kv * D).T for k in keys]       # [H, rows_i]
+    scores = scores[0] if len(scores) == 1 else torch.cat(scores, dim=-1)
+    probs = (scores.float() * D ** -0.5).softmax(-1).to(values[0].dtype)
+    out, at = None, 0
+    for v in values:
+        part = probs[:, at:at + v.shape[0]] @ v.reshape(v.shape[0], h_kv * dv)
+        out = part if out is None else out.add_(part)
+        at += v.shape[0]
     return out.view(H, h_kv, dv)[heads, group]

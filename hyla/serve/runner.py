@@ -33,34 +33,57 @@ SPAN_MAX_BATCH = 8
 
 
 def kv_spans(tables: list[list[int]], positions: list[int], block_size: int
-             ) -> tuple[tuple[int, int], ...] | None:
-    """(first block, rows) of each sequence whose blocks up to its new token are
-    consecutive, or None when any is not (then attention gathers the rows).
+             ) -> tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]:
+    """Where each sequence's KV rows lie, for a decode step that reads them in place: the
+    block and offset its new token's row goes to, and the row ranges (first row, rows) of
+    the flattened paged buffer ``[blocks * block_size, ...]`` that hold its rows up to that
+    one. A single query attends to its rows in any order, so the full blocks are sorted and
+    merged where they touch, and the last block's rows join the range that ends where it
+    starts: blocks handed out of order (a prefix cache reusing freed ones, last freed first)
+    still read as a few views, not a gathered copy.
 
     Example:
-        >>> kv_spans([[4, 5, 6], [0]], [40, 3], 16), kv_spans([[4, 9]], [20], 16)
-        (((4, 41), (0, 4)), None)
+        >>> kv_spans([[4, 5, 6], [0]], [40, 3], 16)
+        ((6, 8, ((64, 41),)), (0, 3, ((0, 4),)))
+        >>> kv_spans([[9, 4, 5]], [40], 16)     # blocks 4, 5 (9 rows) and 9
+        ((5, 8, ((64, 25), (144, 16))),)
     """
-    spans = []
+    out = []
     for table, pos in zip(tables, positions, strict=True):
         n = pos // block_size + 1
-        first = table[0]
-        if table[:n] != list(range(first, first + n)):
-            return None
-        spans.append((first, pos + 1))
-    return tuple(spans)
+        last, tail = table[n - 1], pos % block_size + 1
+        ranges: list[list[int]] = []
+        for block in sorted(table[:n - 1]):
+            if ranges and sum(ranges[-1]) == block * block_size:
+                ranges[-1][1] += block_size
+            else:
+                ranges.append([block * block_size, block_size])
+        start = last * block_size
+        for r in ranges:
+            if sum(r) == start:
+                r[1] += tail
+                break
+        else:
+            ranges.append([start, tail])
+        out.append((last, tail - 1, tuple((a, b) for a, b in ranges)))
+    return tuple(out)
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros whose pages the OS maps only when first written (``calloc``), so a large KV
-    reservation costs resident memory only as blocks fill. Off the CPU, plain zeros."""
+    """Zeros whose pages the OS maps only when first written, so a large KV reservation
+    costs resident memory only as blocks fill. An anonymous mmap of its own, not ``calloc``:
+    calloc may hand back memory the process freed (the float weights quantisation dropped)
+    and must then zero it, all resident. Off the CPU, plain zeros."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    import numpy as np
+    import math
+    import mmap
 
-    size = torch.empty((), dtype=dtype).element_size()
-    raw = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size]
-    return torch.from_numpy(np.zeros(shape, dtype=raw)).view(dtype)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=dtype).view(shape)   # the tensor keeps the map
 
 
 @dataclass
@@ -350,7 +373,7 @@ class Runner:
         return self.num_compilations - before
 
     def _decode_impl(self, tokens, slots, positions, tables, span: slice | None = None,
-                     kv_spans: tuple[tuple[int, int], ...] | None = None):
+                     kv_spans: tuple | None = None):
         ctx = Context.decode(slots, positions, tables, self.buffers,
                              block_size=self.block_size, slot_span=span, kv_spans=kv_spans)
         return self.model(tokens[:, None], ctx)[:, 0].float()

@@ -60,11 +60,20 @@ def test_long_spans_read_by_two_gemms_give_what_sdpa_gives(model, monkeypatch):
     torch.testing.assert_close(gemms, sdpa, rtol=1e-5, atol=1e-5)
 
 
-def test_scattered_blocks_fall_back_to_the_gather(model):
+def test_scattered_blocks_read_as_ranges_give_what_the_gather_gives(model, monkeypatch):
     scattered = [[0, 5, 2, 9, 4, 11, 6], [1, 3, 7, 8, 10, 12, 13]]
-    assert kv_spans(scattered, [7, 3], 4) is None
-    torch.testing.assert_close(_decode_logits(model, scattered, in_place=True),
-                               _decode_logits(model, scattered, in_place=False))
+    # sequence 0 at position 7: blocks 0 (full) then 5 (its 4th row is the new one)
+    assert kv_spans(scattered, [7, 3], 4) == ((5, 3, ((0, 4), (20, 4))), (1, 3, ((4, 4),)))
+    descending = [[13, 12, 11, 10, 9, 8, 7], [6, 5, 4, 3, 2, 1, 0]]   # freed blocks reused
+    assert kv_spans(descending, [27, 27], 4)[0] == (7, 3, ((32, 24), (28, 4)))   # two views
+    gathered = {name: _decode_logits(model, t, in_place=False)
+                for name, t in (("scattered", scattered), ("descending", descending))}
+    calls = []
+    monkeypatch.setattr(Context, "batch_rows", lambda self, buf: calls.append(1))
+    for name, t in (("scattered", scattered), ("descending", descending)):
+        torch.testing.assert_close(_decode_logits(model, t, in_place=True), gathered[name],
+                                   rtol=1e-5, atol=1e-5)
+    assert not calls
 
 
 def test_bfloat16_kv_blocks_hold_half_the_bytes_and_stay_close(model):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyla.model.layers import RMSNorm, rotary_tables, rotate
+from hyla.model.layers import RMSNorm, rotate, shared_rotary_tables
 from hyla.model.mixers.base import Mixer, StateSpec, TensorSpec, merge_kv_heads, register_mixer
 from hyla.ops.attention import (
     attend_one_query,
@@ -125,8 +125,6 @@ class AttentionMixer(Mixer):
             self.sinks = nn.Parameter(torch.zeros(cfg.n_heads))
         # read every step: parsing the options again (rotary_dim) cost ~1 ms a layer a token
         self.rot_dim = self.rotary_dim(cfg)
-        # layers that turn alike share one set of rotary tables per forward (ctx.memo)
-        self.rotary_key = ("rotary", self.rot_dim, cfg.rope_theta, repr(cfg.rope_scaling))
 
     @classmethod
     def value_head_dim(cls, cfg) -> int:
@@ -214,12 +212,8 @@ class AttentionMixer(Mixer):
         rot = self.rot_dim
         if rot == 0:
             return x
-        tables = None if memo is None else memo.get(self.rotary_key)
-        if tables is None:
-            tables = rotary_tables(positions, rot, c.rope_theta, c.rope_scaling, lengths,
-                                   device=x.device)
-            if memo is not None:
-                memo[self.rotary_key] = tables
+        tables = shared_rotary_tables(memo, positions, rot, c.rope_theta, c.rope_scaling,
+                                      lengths, device=x.device)
         if rot == c.head_dim:
             return rotate(x, tables)
         return torch.cat([rotate(x[..., :rot], tables), x[..., rot:]], dim=-1)
@@ -317,19 +311,20 @@ class AttentionMixer(Mixer):
         return self._output(o.transpose(1, 2), gate)
 
     def _attend_spans(self, q: torch.Tensor, buf, ctx) -> torch.Tensor:
-        """Decode reading each sequence's keys and values in place: its blocks are
-        consecutive (``ctx.kv_spans``), so they are one view of the paged buffer, every row
-        of which the new query sees: no gather, no mask. The query heads sharing a KV head
+        """Decode reading each sequence's keys and values in place: its rows are a few
+        views of the paged buffer (``ctx.kv_spans``), every row of which the new query sees:
+        no gather, no mask. The query heads sharing a KV head
         become that head's rows (GQA without repeating keys). q [B, 1, H, D] -> [B, 1, H, Dv]."""
         B, _, H, D = q.shape
         keys, values = buf["keys"], buf["values"]
         h_kv = keys.shape[-2]
         outs = []
         for b in range(B):
-            k, v = ctx.span_rows(keys, b), ctx.span_rows(values, b)
+            ks, vs = ctx.span_rows(keys, b), ctx.span_rows(values, b)
+            k, v = ks[0], vs[0]
             qb = q[b, 0] if q.dtype is k.dtype else q[b, 0].to(k.dtype)
-            if k.shape[0] >= LONG_SPAN_ROWS:    # two GEMMs over the rows as they lie
-                outs.append(attend_one_query(qb, k, v).view(h_kv, H // h_kv, -1))
+            if len(ks) > 1 or k.shape[0] >= LONG_SPAN_ROWS:    # GEMMs over the rows as they lie
+                outs.append(attend_one_query(qb, ks, vs).view(h_kv, H // h_kv, -1))
                 continue
             # 4-D [1, Hkv, rows, D]: what the fused CPU kernel takes (3-D goes the slow way)
             outs.append(F.scaled_dot_product_attention(

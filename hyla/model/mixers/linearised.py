@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyla.model.layers import RMSNorm, apply_rotary
+from hyla.model.layers import RMSNorm, rotate, shared_rotary_tables
 from hyla.model.mixers.attention import AttentionMixer
 from hyla.model.mixers.base import TensorSpec
 from hyla.ops.window_attention import sink_window_attention, visible
@@ -129,8 +129,9 @@ class LinearisedAttention:
         lengths = AttentionMixer._rope_lengths(self, ctx)          # dynamic RoPE, as A does
         if lengths is not None and ctx.mode == "decode":
             lengths = lengths[:, None]
-        qr = apply_rotary(q, pos, c.rope_theta, c.rope_scaling, lengths)
-        kr = apply_rotary(k, pos, c.rope_theta, c.rope_scaling, lengths)
+        tables = shared_rotary_tables(ctx.memo, pos, D, c.rope_theta, c.rope_scaling, lengths,
+                                      device=q.device)
+        qr, kr = rotate(q, tables), rotate(k, tables)
         if ctx.mode == "train":
             o_win = sink_window_attention(qr, kr, v, ctx.positions, window=c.linear_window,
                                           sinks=c.window_sinks, cu_seqlens=ctx.cu_seqlens)
@@ -153,18 +154,26 @@ class LinearisedAttention:
     def _held_tokens(self, buf, rows, last: torch.Tensor):
         """The sinks and window a sequence holds before its next token at position
         ``last + 1``: keys, values [N, E, H_kv, D] and positions [N, E] (-1: empty)."""
+        return (*self._held_rows(buf, rows), self._held_positions(last))
+
+    def _held_rows(self, buf, rows):
+        """Keys, values [N, E, H_kv, D] of the sinks and window: sinks first, then the ring."""
+        if not self.cfg.window_sinks:
+            return buf["window_keys"][rows], buf["window_values"][rows]
+        return (torch.cat([buf["sink_keys"][rows], buf["window_keys"][rows]], 1),
+                torch.cat([buf["sink_values"][rows], buf["window_values"][rows]], 1))
+
+    def _held_positions(self, last: torch.Tensor) -> torch.Tensor:
+        """The positions [N, E] of what :meth:`_held_rows` gives (-1: empty)."""
         c = self.cfg
         W, S = c.linear_window, c.window_sinks
         slot = torch.arange(W, device=last.device)
         ring_pos = last[:, None] - torch.remainder(last[:, None] - slot[None], W)   # [N, W]
         ring_pos = torch.where(ring_pos >= S, ring_pos, -1)
-        keys, values, pos = [buf["window_keys"][rows]], [buf["window_values"][rows]], [ring_pos]
-        if S:
-            a = torch.arange(S, device=last.device)[None]
-            keys.insert(0, buf["sink_keys"][rows])
-            values.insert(0, buf["sink_values"][rows])
-            pos.insert(0, torch.where(a <= last[:, None], a, -1))
-        return torch.cat(keys, 1), torch.cat(values, 1), torch.cat(pos, 1)
+        if not S:
+            return ring_pos
+        a = torch.arange(S, device=last.device)[None]
+        return torch.cat([torch.where(a <= last[:, None], a, -1), ring_pos], 1)
 
     def _window_chunks(self, q, k, v, ctx, buf) -> torch.Tensor:
         c = self.cfg
@@ -196,13 +205,18 @@ class LinearisedAttention:
         only, so a compiled decode step has no graph break)."""
         c = self.cfg
         rows, P = ctx.slots, ctx.positions
-        ck, cv, cp = self._held_tokens(buf, rows, P - 1)
+        ck, cv = self._held_rows(buf, rows)
         keys = torch.cat([ck.to(q.dtype), k], 1)                    # [B, E + 1, H_kv, D]
         values = torch.cat([cv.to(q.dtype), v], 1)
-        kpos = torch.cat([cp, P[:, None]], 1)
-        mask = visible(P[:, None], kpos, c.linear_window, c.window_sinks)      # [B, 1, E + 1]
+        # what each row may see depends on the positions only: one mask for every layer
+        key = ("window mask", c.linear_window, c.window_sinks)
+        mask = ctx.memo.get(key)
+        if mask is None:
+            kpos = torch.cat([self._held_positions(P - 1), P[:, None]], 1)
+            mask = ctx.memo[key] = visible(P[:, None], kpos, c.linear_window,
+                                           c.window_sinks)[:, None]    # [B, 1, 1, E + 1]
         o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
-                                           values.transpose(1, 2), attn_mask=mask[:, None],
+                                           values.transpose(1, 2), attn_mask=mask,
                                            enable_gqa=keys.shape[2] != q.shape[2])
         S = c.window_sinks
         self._store(buf, rows, k[:, 0], v[:, 0], P % c.linear_window, "window")
