@@ -221,6 +221,10 @@ def main() -> None:
                              "row (default: none)")
     parser.add_argument("--long-only", action="store_true",
                         help="only the long-context row (default: every row)")
+    parser.add_argument("--keep-llamacpp-long", action="store_true",
+                        help="reuse the llama.cpp long-context row already in the results "
+                             "file instead of running it again (its 16K prefill takes ~9 "
+                             "minutes on one thread; default: run it)")
     args = parser.parse_args()
     if shutil.which("cmake") is None and not list(CACHE.glob("*/llama.cpp/build/bin/*")):
         raise SystemExit("building llama.cpp needs cmake and a C++ compiler")
@@ -248,6 +252,11 @@ def main() -> None:
     if args.student:
         contenders.append(("hyla student", "hyla", args.student))
     long_rows = {}
+    earlier = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    kept = earlier.get("long_context", {}).get("rows", {}).get("llama.cpp teacher")
+    if args.keep_llamacpp_long and kept and "error" not in kept:
+        long_rows["llama.cpp teacher"] = {**kept, "note": "kept from the previous run"}
+        contenders = contenders[1:]
     for label, kind, source in contenders:
         try:
             long_rows[label] = long_context_row(kind, source, args)
