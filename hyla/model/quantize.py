@@ -169,7 +169,7 @@ class Int4Linear(WeightOnlyLinear):
         # against the rounded values, or the rounding of the zero alone costs a step.
         scale = ((hi - lo) / 15).clamp(min=1e-12).to(torch.bfloat16).float()
         zero = (lo + 8 * scale).to(torch.bfloat16).float()   # the kernel centres codes on 8
-        codes = ((groups - zero[..., None]) / scale[..., None] + 8).round().clamp(0, 15)
+        codes = (groups - zero[..., None]).div_(scale[..., None]).add_(8).round_().clamp_(0, 15)
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             codes.view(n, k).to(torch.int32), 1))
         self.register_buffer("scales_zeros", torch.stack([scale, zero], -1).transpose(0, 1)
@@ -216,10 +216,10 @@ class Int8GroupLinear(WeightOnlyLinear):
         # which the high half's zero gives back (the low half's zero is 0); code 1 is lo.
         # Codes are chosen against the bf16-rounded zero, as Int4Linear does.
         zero = (lo + 135 * scale).to(torch.bfloat16).float()
-        codes = ((groups - (zero - 136 * scale)[..., None]) / scale[..., None]).round()
-        codes = codes.clamp(0, 255).view(n, k)
-        self.register_buffer("high", _int4_pack(codes // 16))
-        self.register_buffer("low", _int4_pack(codes % 16))
+        codes = (groups - (zero - 136 * scale)[..., None]).div_(scale[..., None]).round_()
+        codes = codes.clamp_(0, 255).view(n, k).to(torch.int32)
+        self.register_buffer("high", _int4_pack(codes >> 4))
+        self.register_buffer("low", _int4_pack(codes & 15))
         self.register_buffer("high_scales_zeros", _scales_zeros(16 * scale, zero))
         self.register_buffer("low_scales_zeros", _scales_zeros(scale, torch.zeros_like(zero)))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
