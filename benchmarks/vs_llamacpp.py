@@ -221,6 +221,8 @@ def main() -> None:
                              "row (default: none)")
     parser.add_argument("--long-only", action="store_true",
                         help="only the long-context row (default: every row)")
+    parser.add_argument("--skip-long", action="store_true",
+                        help="no long-context row (default: run it after the rounds)")
     parser.add_argument("--keep-llamacpp-long", action="store_true",
                         help="reuse the llama.cpp long-context row already in the results "
                              "file instead of running it again (its 16K prefill takes ~9 "
@@ -252,6 +254,8 @@ def main() -> None:
     if args.student:
         contenders.append(("hyla student", "hyla", args.student))
     long_rows = {}
+    if args.skip_long:
+        contenders = []
     earlier = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     kept = earlier.get("long_context", {}).get("rows", {}).get("llama.cpp teacher")
     if args.keep_llamacpp_long and kept and "error" not in kept:
@@ -270,8 +274,9 @@ def main() -> None:
         "machine": f"{platform.machine()} {os.cpu_count()} cores",
         **({"rounds": args.rounds, "median": med, "runs": runs} if med else {}),
         "load_average": os.getloadavg(),
-        "long_context": {"student": pathlib.Path(args.student).name if args.student else None,
-                         "rows": long_rows}}, indent=2) + "\n")
+        "long_context": (earlier.get("long_context", {}) if args.skip_long else
+                         {"student": pathlib.Path(args.student).name if args.student else None,
+                          "rows": long_rows})}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
