@@ -169,20 +169,17 @@ def _yarn(dim, theta, factor, original, scaling, exponents):
 
 def rotary_tables(positions: torch.Tensor, dim: int, theta: float,
                   scaling: dict | None = None, lengths: torch.Tensor | None = None,
-                  *, batched: bool | None = None, device=None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  *, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin [(B or 1), T, 1, dim] float32 that :func:`rotate` turns a head by,
-    for absolute ``positions`` [B, T] or [T] (``batched``: whether they are [B, T]; by
-    default, whether they are 2-D). Compute them once per forward and rotate every layer's
-    q and k with them: the tables are the costly half of rotary."""
+    for absolute ``positions`` [B, T] or [T]. Compute them once per forward and rotate every
+    layer's q and k with them (:func:`shared_rotary_tables`): they are the costly half."""
     if scaling is None:
         inv_freq = theta ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
         factor = 1.0
     else:
         inv_freq, factor = rope_frequencies(dim, theta, scaling, device=device, lengths=lengths)
     angles = positions.to(device, torch.float32)[..., None] * inv_freq     # [(B,) T, D/2]
-    batched = positions.dim() == 2 if batched is None else batched
-    angles = angles.reshape(-1 if batched else 1, positions.shape[-1], 1, dim // 2)
+    angles = angles.reshape(-1 if positions.dim() == 2 else 1, positions.shape[-1], 1, dim // 2)
     cos, sin = angles.cos(), angles.sin()
     if factor != 1.0:                   # yarn: cos and sin scaled, as transformers does
         cos, sin = cos * factor, sin * factor
