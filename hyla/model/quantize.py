@@ -12,9 +12,12 @@ those kernels in bf16, the dtype they are fast in; everything outside the linear
   almost exactly.
 
 A linear layer the int4 kernel cannot take (an input size not a multiple of the group, a
-tiny low-rank gate) falls back to int8, and so does the output layer; the embedding table is
-kept as int8 rows. A quantised
-model is for inference only: it refuses to train.
+tiny low-rank gate) falls back to int8. The output layer keeps 8 bits under both schemes, in
+groups of 32 where the int4 kernel can run them (:class:`Int8GroupLinear`); the embedding
+table is kept as int8 rows and an MoE router in float. Projections of one input (q, k, v;
+gate, up) become one quantised weight (:mod:`hyla.model.fused_projections`). Many rows at a
+time (prefill) take a dense GEMM instead of the kernels (:class:`WeightOnlyLinear`). A
+quantised model is for inference only: it refuses to train.
 
 Example:
     >>> from hyla.model import HylaLM, preset
