@@ -52,6 +52,10 @@ def kv_spans(tables: list[list[int]], positions: list[int], block_size: int
     for table, pos in zip(tables, positions, strict=True):
         n = pos // block_size + 1
         last, tail = table[n - 1], pos % block_size + 1
+        first = table[0]
+        if last - first == n - 1 and table[:n] == list(range(first, last + 1)):
+            out.append((last, tail - 1, ((first * block_size, pos + 1),)))   # the usual case
+            continue
         ranges: list[list[int]] = []
         for block in sorted(table[:n - 1]):
             if ranges and sum(ranges[-1]) == block * block_size:
