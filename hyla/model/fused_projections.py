@@ -23,8 +23,8 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class _Cached:
-    """The product of the last input: plain attributes (nn.Module's __setattr__ costs about
-    2 us a write, 3 ms a token on SmolLM2)."""
+    """The product of the last input: plain attributes (nn.Module's __setattr__, three
+    writes a call, was the fourth-largest Python cost of a SmolLM2 decode step profiled)."""
 
     __slots__ = ("input", "parts", "left")
 
@@ -49,7 +49,7 @@ class SharedProduct(nn.Module):
         if x is not c.input or not (c.left >> i) & 1:
             if c.left:
                 self.recomputed += 1
-            # the C++ method: Tensor.split's Python wrapper cost ~2 ms a SmolLM2 token
+            # the C++ method: Tensor.split's Python wrapper was 6% of a step under py-spy
             c.parts = self.linear(x).split_with_sizes(self.sizes, dim=-1)
             c.input, c.left = x, (1 << len(self.sizes)) - 1
         c.left &= ~(1 << i)
