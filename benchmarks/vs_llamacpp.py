@@ -231,6 +231,7 @@ def main() -> None:
     if shutil.which("cmake") is None and not list(CACHE.glob("*/llama.cpp/build/bin/*")):
         raise SystemExit("building llama.cpp needs cmake and a C++ compiler")
     gguf = resolve_name("smollm2")   # ValueError says how to install it
+    earlier = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     runs: dict[str, list[dict]] = {"llama.cpp": [], "hyla": []}
     if args.long_only:
         args.rounds = 0
@@ -256,7 +257,6 @@ def main() -> None:
     long_rows = {}
     if args.skip_long:
         contenders = []
-    earlier = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     kept = earlier.get("long_context", {}).get("rows", {}).get("llama.cpp teacher")
     if args.keep_llamacpp_long and kept and "error" not in kept:
         long_rows["llama.cpp teacher"] = {**kept, "note": "kept from the previous run"}
@@ -268,7 +268,7 @@ def main() -> None:
             long_rows[label] = {"error": f"{e.response.status_code}: {e.response.text[:300]}"}
         print(f"long context, {label}: {long_rows[label]}", flush=True)
     RESULTS.parent.mkdir(exist_ok=True)
-    previous = json.loads(RESULTS.read_text()) if RESULTS.is_file() and not med else {}
+    previous = earlier if not med else {}
     RESULTS.write_text(json.dumps({
         **previous, "model": gguf.name, "threads": 1, "hyla_quantize": args.quantize,
         "machine": f"{platform.machine()} {os.cpu_count()} cores",
