@@ -84,8 +84,10 @@ class WeightOnlyLinear(nn.Module):
 
     in_features: int
     out_features: int
-    # a faster product for up to KERNEL_MAX_ROWS rows (the output layer's VnniInt8Matmul)
-    few_rows = None
+    # From how many rows (up to KERNEL_MAX_ROWS) fbgemm's int8 products (VnniInt8Matmul) take
+    # over where VNNI runs them: the output layer from one (set at quantisation), the others
+    # from two (their own kernel is as fast for one row, and needs no int8 copy).
+    vnni_min_rows = 2
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -98,8 +100,11 @@ class WeightOnlyLinear(nn.Module):
         rows = flat.shape[0]
         # dtype checks before .to: a no-op conversion still costs a dispatch (~1 us), and a
         # decode step makes hundreds of these calls
-        if rows <= KERNEL_MAX_ROWS and self.few_rows is not None:
-            y = self.few_rows(flat)
+        if self.vnni_min_rows <= rows <= KERNEL_MAX_ROWS and vnni_int8_available():
+            vnni = self.__dict__.get("_vnni")
+            if vnni is None:    # made on first use, like the dense weight below
+                vnni = self.__dict__["_vnni"] = VnniInt8Matmul(self.dequantized())
+            y = vnni(flat)
         elif rows >= DENSE_BF16_MIN_ROWS and _dense_in_bf16() and _int4_layout_known():
             dense = self.__dict__.get("_dense_bf16")
             if dense is None:   # a plain attribute: not in the state dict, not moved by .to
@@ -317,7 +322,8 @@ def quantize_model(model: nn.Module, scheme: str, *, group: int = INT4_GROUP) ->
         if name == "lm_head":
             head = Int8GroupLinear(weight, bias, group) if fits else Int8Linear(weight, bias)
             if vnni_int8_available():   # decode rows: int8 x int8, 4x faster (its module doc)
-                head.few_rows = VnniInt8Matmul(weight)
+                head.__dict__["_vnni"] = VnniInt8Matmul(weight)      # from the float weight
+                head.vnni_min_rows = 1
             return head
         if scheme == "int4" and fits:
             return Int4Linear(weight, bias, group)

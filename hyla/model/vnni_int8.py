@@ -6,11 +6,13 @@ cost of a decode step. fbgemm (torch's quantised engine on x86) multiplies int8 
 VNNI dot products, the way llama.cpp multiplies its Q8_0 output layer by 8-bit activations:
 0.95 ms for the same layer, 3.4 against 7 ms for 16 rows (``benchmarks/vnni_output_layer.py``).
 
-The price is that the activations are quantised too, to 8 bits per call, and fbgemm takes
-one range for all the rows of a call. So each row is first mapped onto [0, 1] by its own
-minimum and span, and ``W x = span * (W x') + min * (W 1)`` puts it back: every row gets
-its own grid, and a request's logits do not depend on what else is in the batch. The weight
-keeps one scale per output row.
+The price would be that the activations are quantised too, per call, and fbgemm takes one
+range for all the rows of a call. So each row is first mapped onto [0, 1] by its own minimum
+and span (fbgemm's grid is then k / 255 for every row), and what that grid misses goes in as
+a second row, on the same grid: the product is ``W x = span (W u + (W r - W 1 / 2) / 255) +
+min W 1``, activations at about 16 bits, in one call that reads the weight once. A request's
+result does not depend on what else is in the batch. The weight keeps one scale per output
+row (8 bits), the one error left: on SmolLM2 the decode path's perplexity moved 0.2%.
 
 Only where VNNI runs it: without VNNI, fbgemm sums pairs of products in int16, which
 saturates unless the activations lose a bit; there the weight-only kernels stay.
@@ -57,11 +59,15 @@ class VnniInt8Matmul:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x if x.dtype is torch.float32 else x.float()
         M = x.shape[0]
-        low, high = torch.aminmax(x, dim=1, keepdim=True)
-        span = (high - low).clamp_(min=1e-30)
-        unit = (x - low) / span                      # [0, 1]: fbgemm's grid is k / 255
-        residual = unit.mul(255).sub_(unit.mul(255).round()).add_(0.5)     # [0, 1]
-        # reduce_range False: 8-bit activations, safe with VNNI's int32 sums
+        # amin and amax: torch.aminmax over rows measured 5-10x slower on CPU
+        low = x.amin(dim=1, keepdim=True)
+        span = (x.amax(dim=1, keepdim=True) - low).clamp_(min=1e-30)
+        unit = (x - low).div_(span)                     # [0, 1]: fbgemm's grid is k / 255
+        scaled = unit * 255
+        residual = scaled.sub_(scaled.round()).add_(0.5)     # what the grid missed, in [0, 1]
+        # one call for both (the weight is read once); reduce_range False: 8-bit activations,
+        # safe with VNNI's int32 sums
         y = torch.ops.quantized.linear_dynamic(torch.cat([unit, residual]), self.packed, False)
-        y = y[:M].add_(y[M:].sub_(self.row_sums, alpha=0.5), alpha=1 / 255)
-        return y.mul_(span).addcmul_(low, self.row_sums)
+        # W x = span (W unit + (W residual - W 1 / 2) / 255) + low W 1
+        out = torch.add(y[:M], y[M:], alpha=1 / 255).mul_(span)
+        return out.addcmul_(low - span / 510, self.row_sums)

@@ -1,0 +1,91 @@
+"""fbgemm's int8 products for decode rows (hyla.model.vnni_int8) and where quantize uses them."""
+
+import pytest
+import torch
+
+from hyla.model import HylaLM, preset
+from hyla.model import quantize as Q
+from hyla.model.vnni_int8 import VnniInt8Matmul, vnni_int8_available
+
+needs_vnni = pytest.mark.skipif(not vnni_int8_available(),
+                                reason="fbgemm's int8 products need x86 with AVX512-VNNI")
+
+
+def _rows_with_outliers(m: int, k: int) -> torch.Tensor:
+    torch.manual_seed(1)
+    x = torch.randn(m, k)
+    x[:, 7] *= 40                    # an outlier channel, as LLM activations have
+    x[1] *= 8                        # rows of very different ranges
+    x[2] += 3                        # and one far from zero
+    return x
+
+
+@needs_vnni
+def test_error_is_the_8_bit_weight_alone():
+    # activations at ~16 bits (a row and its residual), so the error is the weight's:
+    # against the product with the int8 weight itself, far below 8-bit activations' ~2%
+    torch.manual_seed(0)
+    w = torch.randn(512, 256)
+    mm = VnniInt8Matmul(w)
+    x = _rows_with_outliers(6, 256)
+    scale = w.abs().amax(1, keepdim=True) / 127
+    w8 = (w / scale).round().clamp(-127, 127) * scale
+    want = x @ w8.T
+    assert (mm(x) - want).norm(dim=1).max() < 2e-3 * want.norm(dim=1).min()
+    assert (mm(x) - x @ w.T).norm() < 0.01 * (x @ w.T).norm()
+
+
+@needs_vnni
+def test_a_row_gets_the_same_result_alone_or_in_any_batch():
+    torch.manual_seed(0)
+    mm = VnniInt8Matmul(torch.randn(256, 128))
+    x = _rows_with_outliers(16, 128)
+    together = mm(x)
+    alone = torch.cat([mm(x[i:i + 1]) for i in range(16)])
+    assert torch.allclose(together, alone, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(mm(x[[3, 0]]), together[[3, 0]], rtol=1e-5, atol=1e-4)
+
+
+@needs_vnni
+def test_constant_and_extreme_rows_stay_finite():
+    mm = VnniInt8Matmul(torch.randn(64, 32))
+    x = torch.stack([torch.full((32,), 2.5), torch.zeros(32), torch.randn(32) * 1e4])
+    y = mm(x)
+    assert torch.isfinite(y).all()
+    want = x @ torch.ops.quantized.linear_unpack(mm.packed)[0].dequantize().T
+    assert torch.allclose(y[:2], want[:2], atol=1e-4)     # span 0: min * (W 1) exactly
+    assert (y[2] - want[2]).norm() < 1e-3 * want[2].norm()
+    assert mm(x.bfloat16()).dtype is torch.float32        # takes bf16, answers fp32
+
+
+@needs_vnni
+def test_quantised_output_layer_decodes_through_it():
+    torch.manual_seed(0)
+    model = HylaLM(preset("debug")).eval()
+    ids = torch.randint(0, 256, (10,))
+    ref = model(ids[None])[0]
+    Q.quantize_model(model, "int4")
+    head = model.lm_head
+    assert head.vnni_min_rows == 1 and isinstance(head.__dict__["_vnni"], VnniInt8Matmul)
+    layers = [m for m in model.modules() if isinstance(m, Q.WeightOnlyLinear) and m is not head]
+    st = model.new_state()
+    model.prefill(ids[:1], st)
+    # one row at a time: the other layers keep their own kernel and make no int8 copy
+    assert not any("_vnni" in m.__dict__ for m in layers)
+    model.prefill(ids[1:7], st)                               # 6 rows: they make it
+    assert all("_vnni" in m.__dict__ for m in layers)
+    step = model.decode(ids[7:8], [st])[0]
+    assert (step - ref[7]).norm() < 0.4 * ref[7].norm()       # int4's own bound
+    two = model.decode(ids[7:9], [st, model.new_state()])
+    assert torch.isfinite(two).all()
+
+
+def test_without_vnni_the_weight_only_kernels_stay(monkeypatch):
+    monkeypatch.setattr(Q, "vnni_int8_available", lambda: False)
+    torch.manual_seed(0)
+    model = HylaLM(preset("debug")).eval()
+    ids = torch.randint(0, 256, (1, 6))
+    Q.quantize_model(model, "int4")
+    out = model(ids)
+    assert torch.isfinite(out).all()
+    assert not any("_vnni" in m.__dict__ for m in model.modules())
