@@ -4,7 +4,7 @@ torch's weight-only kernels turn each weight back into a float and multiply in f
 SmolLM2's 49,152 x 576 output layer that took 4.2 ms a token on one thread, the largest single
 cost of a decode step. fbgemm (torch's quantised engine on x86) multiplies int8 by int8 with
 VNNI dot products, the way llama.cpp multiplies its Q8_0 output layer by 8-bit activations:
-0.95 ms for the same layer, 3.4 against 7 ms for 16 rows (``benchmarks/vnni_output_layer.py``).
+0.95 ms for the same layer, 3.4 against 7 ms for 16 rows (``benchmarks/vnni_int8.py``).
 
 The price would be that the activations are quantised too, per call, and fbgemm takes one
 range for all the rows of a call. So each row is first mapped onto [0, 1] by its own minimum
