@@ -1,9 +1,9 @@
 """What fbgemm's VNNI int8 products (hyla.model.vnni_int8) buy and cost on SmolLM2-135M, int4.
 
 Side by side in one process, one thread, alternating rounds, medians:
-- the output layer alone (49,152 x 576): torch's weight-only kernels (two int4 passes, 8
-  bits in groups) and the bf16 dense GEMM they hand over to from 8 rows, against fbgemm's
-  int8 products, at 1 and 16 rows;
+- the output layer alone (49,152 x 576): torch's weight-only kernels (its int8 kernel, and
+  two int4 passes of 8 bits in groups, the form used without VNNI) and the bf16 dense GEMM
+  they hand over to from 8 rows, against fbgemm's int8 products, at 1 and 16 rows;
 - the decode path through the engine's runner, with the VNNI products off (weight-only
   kernels everywhere) and on (the output layer from one row, every layer from two): ms a
   token for one sequence, tokens/s for 16 decoding together, and the teacher-forced
@@ -30,7 +30,7 @@ import torch
 from hyla.data.corpus import iter_documents
 from hyla.model import quantize as Q
 from hyla.model.load import load_model
-from hyla.model.vnni_int8 import VnniInt8Matmul, vnni_int8_available
+from hyla.model.vnni_int8 import vnni_int8_available
 from hyla.perf import machine_info
 from hyla.serve.runner import Runner
 
@@ -54,14 +54,17 @@ def use_vnni(on: bool) -> None:
 
 
 def output_layer(model) -> dict[str, float]:
-    head = model.lm_head
+    head = model.lm_head                                     # int8 codes, one scale a row
+    head(torch.randn(1, 576))                                # packs fbgemm's copy
     vnni = head.__dict__["_vnni"]
+    groups = Q.Int8GroupLinear(head.dequantized(), None)    # the int4-kernel form, 8 bits
     dense = head.dequantized(torch.bfloat16)
     x1, x16 = torch.randn(1, 576), torch.randn(16, 576)
     return {
-        "weight-only kernel, 1 row": median_ms(lambda: head._kernel(x1.bfloat16())),
+        "torch int8 kernel, 1 row": median_ms(lambda: head._kernel(x1.bfloat16())),
+        "two int4 passes, 1 row": median_ms(lambda: groups._kernel(x1.bfloat16())),
         "fbgemm int8, 1 row": median_ms(lambda: vnni(x1)),
-        "weight-only kernel, 16 rows": median_ms(lambda: head._kernel(x16.bfloat16())),
+        "two int4 passes, 16 rows": median_ms(lambda: groups._kernel(x16.bfloat16())),
         "bf16 dense, 16 rows": median_ms(lambda: torch.nn.functional.linear(x16.bfloat16(),
                                                                              dense)),
         "fbgemm int8, 16 rows": median_ms(lambda: vnni(x16)),
@@ -121,7 +124,7 @@ def main() -> None:
     torch.set_num_threads(1)
     model, tokenizer = load_model("smollm2")
     Q.quantize_model(model, "int4")
-    assert isinstance(model.lm_head.__dict__.get("_vnni"), VnniInt8Matmul)
+    assert isinstance(model.lm_head, Q.Int8Linear) and model.lm_head.vnni_min_rows == 1
     docs = documents(tokenizer)
     runs: dict[str, list[dict]] = {"layer": [], "off": [], "on": []}
     for r in range(args.rounds):

@@ -12,12 +12,14 @@ those kernels in bf16, the dtype they are fast in; everything outside the linear
   almost exactly.
 
 A linear layer the int4 kernel cannot take (an input size not a multiple of the group, a
-tiny low-rank gate) falls back to int8. The output layer keeps 8 bits under both schemes, in
-groups of 32 where the int4 kernel can run them (:class:`Int8GroupLinear`); the embedding
-table is kept as int8 rows and an MoE router in float. Projections of one input (q, k, v;
-gate, up) become one quantised weight (:mod:`hyla.model.fused_projections`). Many rows at a
-time (prefill) take a dense GEMM instead of the kernels (:class:`WeightOnlyLinear`). A
-quantised model is for inference only: it refuses to train.
+tiny low-rank gate) falls back to int8. The output layer keeps 8 bits under both schemes: per
+row, computed by fbgemm's int8 products where the CPU has VNNI
+(:mod:`hyla.model.vnni_int8`), else in groups of 32 through the int4 kernel
+(:class:`Int8GroupLinear`); the embedding table is kept as int8 rows and an MoE router in
+float. Projections of one input (q, k, v; gate, up) become one quantised weight
+(:mod:`hyla.model.fused_projections`). Decode batches and short prompts (2-64 rows) take
+fbgemm's int8 products where VNNI runs them, and more rows (prefill) a dense GEMM
+(:class:`WeightOnlyLinear`). A quantised model is for inference only: it refuses to train.
 
 Example:
     >>> from hyla.model import HylaLM, preset
@@ -41,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyla.model.fused_projections import fuse_siblings
-from hyla.model.vnni_int8 import VnniInt8Matmul, vnni_int8_available
+from hyla.model.vnni_int8 import VnniInt8Matmul, per_row_int8, vnni_int8_available
 from hyla.perf import release_freed_memory
 
 SCHEMES = ("none", "int8", "int4")
@@ -95,6 +97,10 @@ class WeightOnlyLinear(nn.Module):
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         raise NotImplementedError
 
+    def int8_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight as int8 codes with one scale per output row (what fbgemm takes)."""
+        return per_row_int8(self.dequantized())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0]
@@ -103,7 +109,7 @@ class WeightOnlyLinear(nn.Module):
         if self.vnni_min_rows <= rows <= KERNEL_MAX_ROWS and vnni_int8_available():
             vnni = self.__dict__.get("_vnni")
             if vnni is None:    # made on first use, like the dense weight below
-                vnni = self.__dict__["_vnni"] = VnniInt8Matmul(self.dequantized())
+                vnni = self.__dict__["_vnni"] = VnniInt8Matmul(*self.int8_rows())
             y = vnni(flat)
         elif rows >= DENSE_BF16_MIN_ROWS and _dense_in_bf16() and _int4_layout_known():
             dense = self.__dict__.get("_dense_bf16")
@@ -127,13 +133,14 @@ class Int8Linear(WeightOnlyLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-        self.register_buffer("qweight", (w / scale[:, None]).round().clamp(-127, 127)
-                             .to(torch.int8))
+        codes, scale = per_row_int8(weight)
+        self.register_buffer("qweight", codes)
         self.register_buffer("scales", scale.to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self.out_features, self.in_features = codes.shape
+
+    def int8_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.qweight, self.scales.float()
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.in_features % INT8_KERNEL_K:
@@ -317,14 +324,15 @@ def quantize_model(model: nn.Module, scheme: str, *, group: int = INT4_GROUP) ->
     def make(weight: torch.Tensor, bias: torch.Tensor | None, name: str = "") -> nn.Module:
         # The output layer keeps 8 bits under int4, as llama.cpp's 4-bit files keep it at 6-8
         # bits: each of its errors lands directly on a logit (4 bits there cost SmolLM2 4%
-        # perplexity). In groups where the int4 kernel can run it: faster than per row.
+        # perplexity). Per row with VNNI (int8 x int8 from one row: 4x faster, vnni_int8's
+        # doc), else in groups through the int4 kernel: faster than torch's int8 kernel.
         fits = int4_fits(weight, group)
         if name == "lm_head":
-            head = Int8GroupLinear(weight, bias, group) if fits else Int8Linear(weight, bias)
-            if vnni_int8_available():   # decode rows: int8 x int8, 4x faster (its module doc)
-                head.__dict__["_vnni"] = VnniInt8Matmul(weight)      # from the float weight
+            if vnni_int8_available():
+                head = Int8Linear(weight, bias)
                 head.vnni_min_rows = 1
-            return head
+                return head
+            return Int8GroupLinear(weight, bias, group) if fits else Int8Linear(weight, bias)
         if scheme == "int4" and fits:
             return Int4Linear(weight, bias, group)
         return Int8Linear(weight, bias)

@@ -34,27 +34,35 @@ def vnni_int8_available() -> bool:
             and torch.cpu._is_vnni_supported())
 
 
+def per_row_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes [out, in] and one fp32 scale per output row of ``weight``."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp_(min=1e-12)
+    return torch.div(w, scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), scale
+
+
 class VnniInt8Matmul:
-    """``x @ W.T`` for rows ``x`` [M, in] -> [M, out] fp32, W int8 with one scale per output
-    row, each row of activations quantised to 8 bits over its own range.
+    """``x @ W.T`` for rows ``x`` [M, in] -> [M, out] fp32, ``W = codes * scales[:, None]``
+    (int8 codes, one scale per output row: :func:`per_row_int8`), each row of activations
+    quantised over its own range.
 
     Example (where VNNI runs):
         >>> w, x = torch.randn(64, 32), torch.randn(3, 32)
         >>> if vnni_int8_available():
-        ...     y = VnniInt8Matmul(w)(x)
+        ...     y = VnniInt8Matmul(*per_row_int8(w))(x)
         ...     assert (y - x @ w.T).norm() / (x @ w.T).norm() < 0.02
     """
 
-    def __init__(self, weight: torch.Tensor):
-        w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
+        scales = scales.double()
         with warnings.catch_warnings():   # quantised tensors are deprecated, fbgemm is not
             warnings.simplefilter("ignore", UserWarning)
-            q = torch.quantize_per_channel(w, scale.double(), torch.zeros(len(w), dtype=torch.long),
-                                           0, torch.qint8)
+            q = torch._make_per_channel_quantized_tensor(
+                codes, scales, torch.zeros(len(codes), dtype=torch.long), 0)
             self.packed = torch.ops.quantized.linear_prepack(q, None)
-        self.row_sums = q.dequantize().sum(dim=1)           # W 1, of the weight as quantised
-        self.out_features = w.shape[0]
+        # W 1, of the weight as quantised (integer sums: exact and cheap)
+        self.row_sums = (codes.sum(dim=1, dtype=torch.int32).double() * scales).float()
+        self.out_features = codes.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x if x.dtype is torch.float32 else x.float()

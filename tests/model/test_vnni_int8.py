@@ -5,7 +5,7 @@ import torch
 
 from hyla.model import HylaLM, preset
 from hyla.model import quantize as Q
-from hyla.model.vnni_int8 import VnniInt8Matmul, vnni_int8_available
+from hyla.model.vnni_int8 import VnniInt8Matmul, per_row_int8, vnni_int8_available
 
 needs_vnni = pytest.mark.skipif(not vnni_int8_available(),
                                 reason="fbgemm's int8 products need x86 with AVX512-VNNI")
@@ -26,7 +26,7 @@ def test_error_is_the_8_bit_weight_alone():
     # against the product with the int8 weight itself, far below 8-bit activations' ~2%
     torch.manual_seed(0)
     w = torch.randn(512, 256)
-    mm = VnniInt8Matmul(w)
+    mm = VnniInt8Matmul(*per_row_int8(w))
     x = _rows_with_outliers(6, 256)
     scale = w.abs().amax(1, keepdim=True) / 127
     w8 = (w / scale).round().clamp(-127, 127) * scale
@@ -38,7 +38,7 @@ def test_error_is_the_8_bit_weight_alone():
 @needs_vnni
 def test_a_row_gets_the_same_result_alone_or_in_any_batch():
     torch.manual_seed(0)
-    mm = VnniInt8Matmul(torch.randn(256, 128))
+    mm = VnniInt8Matmul(*per_row_int8(torch.randn(256, 128)))
     x = _rows_with_outliers(16, 128)
     together = mm(x)
     alone = torch.cat([mm(x[i:i + 1]) for i in range(16)])
@@ -48,7 +48,7 @@ def test_a_row_gets_the_same_result_alone_or_in_any_batch():
 
 @needs_vnni
 def test_constant_and_extreme_rows_stay_finite():
-    mm = VnniInt8Matmul(torch.randn(64, 32))
+    mm = VnniInt8Matmul(*per_row_int8(torch.randn(64, 32)))
     x = torch.stack([torch.full((32,), 2.5), torch.zeros(32), torch.randn(32) * 1e4])
     y = mm(x)
     assert torch.isfinite(y).all()
@@ -66,11 +66,14 @@ def test_quantised_output_layer_decodes_through_it():
     ref = model(ids[None])[0]
     Q.quantize_model(model, "int4")
     head = model.lm_head
-    assert head.vnni_min_rows == 1 and isinstance(head.__dict__["_vnni"], VnniInt8Matmul)
     layers = [m for m in model.modules() if isinstance(m, Q.WeightOnlyLinear) and m is not head]
     st = model.new_state()
     model.prefill(ids[:1], st)
-    # one row at a time: the other layers keep their own kernel and make no int8 copy
+    # one row: the output layer takes fbgemm's products (its int8 codes, packed on first
+    # use); the other layers keep their own kernel and make no int8 copy
+    assert head.vnni_min_rows == 1 and isinstance(head.__dict__["_vnni"], VnniInt8Matmul)
+    assert torch.equal(torch.ops.quantized.linear_unpack(head.__dict__["_vnni"].packed)[0]
+                       .int_repr(), head.qweight)
     assert not any("_vnni" in m.__dict__ for m in layers)
     model.prefill(ids[1:7], st)                               # 6 rows: they make it
     assert all("_vnni" in m.__dict__ for m in layers)
