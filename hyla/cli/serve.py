@@ -249,7 +249,8 @@ def warm_up(async_engine, args: argparse.Namespace, out: Console, ready: threadi
     wait for ``ready``): with ``--compile`` / ``--cuda-graphs`` every decode shape compiled
     (captured), so no request waits on it; then one tiny request, so first-call costs
     (allocator, kernels) land on no client's time to first token. A failure ends the server
-    (``on_failure``)."""
+    (``on_failure``). Once ready, a quantised model's layers make the copies they would
+    otherwise make on some request's first prompt (:func:`~hyla.model.quantize.prepare_copies`)."""
     import asyncio
 
     from hyla.serve.metrics import EngineMetrics
@@ -272,6 +273,11 @@ def warm_up(async_engine, args: argparse.Namespace, out: Console, ready: threadi
         on_failure(e)
         return
     ready.set()
+    if getattr(engine.model, "quantized", None):
+        # the quantised layers' other copies (about a second), once the server is ready
+        from hyla.model.quantize import prepare_copies
+
+        prepare_copies(engine.model)
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:

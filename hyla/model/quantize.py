@@ -101,22 +101,33 @@ class WeightOnlyLinear(nn.Module):
         """The weight as int8 codes with one scale per output row (what fbgemm takes)."""
         return per_row_int8(self.dequantized())
 
+    # The two copies below are made on first use (a model that only decodes one row never
+    # holds them) or ahead by prepare_copies. Plain attributes: not in the state dict, not
+    # moved by .to.
+    def vnni_matmul(self) -> VnniInt8Matmul:
+        """fbgemm's packed int8 copy of the weight."""
+        vnni = self.__dict__.get("_vnni")
+        if vnni is None:
+            vnni = self.__dict__["_vnni"] = VnniInt8Matmul(*self.int8_rows())
+        return vnni
+
+    def dense_bf16(self) -> torch.Tensor:
+        """The dequantised weight in bf16, for many rows at a time."""
+        dense = self.__dict__.get("_dense_bf16")
+        if dense is None:
+            dense = self.__dict__["_dense_bf16"] = self.dequantized(torch.bfloat16)
+        return dense
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0]
         # dtype checks before .to: a no-op conversion still costs a dispatch (~1 us), and a
         # decode step makes hundreds of these calls
         if self.vnni_min_rows <= rows <= KERNEL_MAX_ROWS and vnni_int8_available():
-            vnni = self.__dict__.get("_vnni")
-            if vnni is None:    # made on first use, like the dense weight below
-                vnni = self.__dict__["_vnni"] = VnniInt8Matmul(*self.int8_rows())
-            y = vnni(flat)
+            y = self.vnni_matmul()(flat)
         elif rows >= DENSE_BF16_MIN_ROWS and _dense_in_bf16() and _int4_layout_known():
-            dense = self.__dict__.get("_dense_bf16")
-            if dense is None:   # a plain attribute: not in the state dict, not moved by .to
-                dense = self.__dict__["_dense_bf16"] = self.dequantized(torch.bfloat16)
             y = F.linear(flat if flat.dtype is torch.bfloat16 else flat.to(torch.bfloat16),
-                         dense)
+                         self.dense_bf16())
         elif rows > KERNEL_MAX_ROWS and _int4_layout_known():
             y = F.linear(flat, self.dequantized(x.dtype))
         else:
@@ -293,6 +304,20 @@ class QuantReport:
     int4_layers: int
     bytes_before: int
     bytes_after: int
+
+
+def prepare_copies(model: nn.Module) -> int:
+    """Make now the copies each quantised layer of ``model`` would make on first use (the
+    int8 one for fbgemm's products, the dense bf16 one for prefill), so that no request
+    pays for them: about a second for SmolLM2-135M, which a server spends after it is ready
+    rather than on some client's first long prompt. Returns how many layers it prepared."""
+    layers = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
+    for m in layers:
+        if vnni_int8_available() and m.vnni_min_rows <= KERNEL_MAX_ROWS:
+            m.vnni_matmul()
+        if _dense_in_bf16() and _int4_layout_known():
+            m.dense_bf16()
+    return len(layers)
 
 
 def _tensor_bytes(module: nn.Module) -> int:

@@ -9,8 +9,11 @@ from hyla.model.quantize import (
     Int4Linear,
     Int8GroupLinear,
     Int8Linear,
+    WeightOnlyLinear,
+    _dense_in_bf16,
     _int4_layout_known,
     int4_fits,
+    prepare_copies,
     quantize_model,
 )
 from hyla.model.vnni_int8 import vnni_int8_available
@@ -127,3 +130,20 @@ def test_int8_in_groups_is_8_bits_through_two_int4_passes():
     want = x.bfloat16().float() @ q.dequantized().T
     assert torch.allclose(q(x), want, atol=0.01 * want.abs().max().item())
     assert (q(x) - x @ w.T).norm() < 0.01 * (x @ w.T).norm()
+
+
+def test_prepare_copies_makes_ahead_what_first_use_would_make():
+    torch.manual_seed(0)
+    model = HylaLM(preset("debug")).eval()
+    quantize_model(model, "int4")
+    ids = torch.randint(0, 256, (1, KERNEL_MAX_ROWS + 5))
+    before = model(ids), model(ids[:, :5])
+    layers = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
+    for m in layers:       # back to a freshly quantised model: no copies yet
+        m.__dict__.pop("_dense_bf16", None), m.__dict__.pop("_vnni", None)
+    assert prepare_copies(model) == len(layers)
+    dense = _dense_in_bf16() and _int4_layout_known()
+    assert all(("_dense_bf16" in m.__dict__) == dense for m in layers)
+    assert all(("_vnni" in m.__dict__) == vnni_int8_available() for m in layers)
+    after = model(ids), model(ids[:, :5])
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))

@@ -141,7 +141,7 @@ class LinearisedAttention:
             o_win = self._window_step(qr, kr, v, ctx, ctx.buffers[self.layer_idx])
         o_lin = self._linear(x, q, k, v, ctx)
         mix = torch.sigmoid(self.mix_proj(x).float()).to(x.dtype)[..., None]  # [B, T, H, 1]
-        o = mix * o_win.to(x.dtype) + (1 - mix) * o_lin.to(x.dtype)
+        o = torch.lerp(o_lin.to(x.dtype), o_win.to(x.dtype), mix)   # mix win + (1 - mix) lin
         return self.o_proj(o.reshape(B, T, H * D))
 
     def _feature_maps(self, q, k, v):
@@ -157,7 +157,8 @@ class LinearisedAttention:
         return (*self._held_rows(buf, rows), self._held_positions(last))
 
     def _held_rows(self, buf, rows):
-        """Keys, values [N, E, H_kv, D] of the sinks and window: sinks first, then the ring."""
+        """Keys, values [N, E, H_kv, D] of the sinks and window: sinks first, then the ring.
+        ``rows``: the sequences' slots (a tensor, or a slice of consecutive ones: views)."""
         if not self.cfg.window_sinks:
             return buf["window_keys"][rows], buf["window_values"][rows]
         return (torch.cat([buf["sink_keys"][rows], buf["window_keys"][rows]], 1),
@@ -205,7 +206,7 @@ class LinearisedAttention:
         only, so a compiled decode step has no graph break)."""
         c = self.cfg
         rows, P = ctx.slots, ctx.positions
-        ck, cv = self._held_rows(buf, rows)
+        ck, cv = self._held_rows(buf, rows if ctx.slot_span is None else ctx.slot_span)
         keys = torch.cat([ck.to(q.dtype), k], 1)                    # [B, E + 1, H_kv, D]
         values = torch.cat([cv.to(q.dtype), v], 1)
         # what each row may see depends on the positions only: one mask for every layer
@@ -220,7 +221,7 @@ class LinearisedAttention:
                                            enable_gqa=keys.shape[2] != q.shape[2])
         S = c.window_sinks
         self._store(buf, rows, k[:, 0], v[:, 0], P % c.linear_window, "window")
-        if S:
+        if S and self._some_in_sinks(ctx):
             # every step writes a sink slot (tensors only); past the sinks, the slot it
             # rewrites is read back unchanged
             slot = P.clamp(max=S - 1)
@@ -229,6 +230,17 @@ class LinearisedAttention:
             buf["sink_keys"][rows, slot] = torch.where(first, k[:, 0].to(old_k.dtype), old_k)
             buf["sink_values"][rows, slot] = torch.where(first, v[:, 0].to(old_v.dtype), old_v)
         return o.transpose(1, 2)
+
+    def _some_in_sinks(self, ctx) -> bool:
+        """Whether a sequence of this step is still filling its sinks. Eager, once a step
+        for every layer (past the first tokens it saves each layer six ops); a compiled
+        step keeps the tensor-only update instead (no data-dependent branch)."""
+        if torch.compiler.is_compiling():
+            return True
+        key = ("in sinks", self.cfg.window_sinks)
+        if key not in ctx.memo:
+            ctx.memo[key] = bool((ctx.positions < self.cfg.window_sinks).any())
+        return ctx.memo[key]
 
 
 def hedgehog(x: torch.Tensor, maps: torch.Tensor) -> torch.Tensor:

@@ -85,11 +85,11 @@ def _step_batch(q, k, v, g, scale, state, in_place):
     outs = []
     for t in range(q.shape[1]):
         decay = g[:, t].float().exp().unsqueeze(-1)
-        update = k[:, t].float().unsqueeze(-1) * v[:, t].float().unsqueeze(-2)
-        if in_place:
-            state.mul_(decay).add_(update)
+        kt, vt = k[:, t].float().unsqueeze(-1), v[:, t].float().unsqueeze(-2)
+        if in_place:        # k v^T added without a temporary [N, H, K, V]
+            state.mul_(decay).addcmul_(kt, vt)
         else:
-            state = state * decay + update
+            state = state * decay + kt * vt
         outs.append(torch.einsum("nhk,nhkv->nhv", q[:, t].float() * scale, state))
     o = torch.stack(outs, dim=1) if outs else state.new_zeros(*q.shape[:3], state.shape[-1])
     return o, state
