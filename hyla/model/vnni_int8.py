@@ -1,10 +1,12 @@
 """8-bit products for a few rows through fbgemm's VNNI kernels: the output layer of a decode.
 
 torch's weight-only kernels turn each weight back into a float and multiply in floats. On
-SmolLM2's 49,152 x 576 output layer that took 4.2 ms a token on one thread, the largest single
-cost of a decode step. fbgemm (torch's quantised engine on x86) multiplies int8 by int8 with
-VNNI dot products, the way llama.cpp multiplies its Q8_0 output layer by 8-bit activations:
-0.95 ms for the same layer, 3.4 against 7 ms for 16 rows (``benchmarks/vnni_int8.py``).
+SmolLM2's 49,152 x 576 output layer that took 3.9-4.5 ms a token on one thread, the largest
+single cost of a decode step. fbgemm (torch's quantised engine on x86) multiplies int8 by
+int8 with VNNI dot products, the way llama.cpp multiplies its Q8_0 output layer by 8-bit
+activations: 2.2 ms for the same layer here, 10.7 against 13.1 ms for the bf16 GEMM at 16
+rows (``benchmarks/vnni_int8.py``; the bare fbgemm call takes about 1 ms for one row, the
+residual row below doubles its rows).
 
 The price would be that the activations are quantised too, per call, and fbgemm takes one
 range for all the rows of a call. So each row is first mapped onto [0, 1] by its own minimum
@@ -12,7 +14,8 @@ and span (fbgemm's grid is then k / 255 for every row), and what that grid misse
 a second row, on the same grid: the product is ``W x = span (W u + (W r - W 1 / 2) / 255) +
 min W 1``, activations at about 16 bits, in one call that reads the weight once. A request's
 result does not depend on what else is in the batch. The weight keeps one scale per output
-row (8 bits), the one error left: on SmolLM2 the decode path's perplexity moved 0.2%.
+row (8 bits), the one error left: on SmolLM2 the decode path's perplexity moved 0.03% for
+one sequence and 0.2% for 16 together.
 
 Only where VNNI runs it: without VNNI, fbgemm sums pairs of products in int16, which
 saturates unless the activations lose a bit; there the weight-only kernels stay.
