@@ -282,13 +282,11 @@ class Int8Embedding(nn.Module):
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
-        w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-        self.register_buffer("qweight", (w / scale[:, None]).round().clamp(-127, 127)
-                             .to(torch.int8))
+        codes, scale = per_row_int8(weight)
+        self.register_buffer("qweight", codes)
         self.register_buffer("scales", scale)
         self.dtype = weight.dtype
-        self.num_embeddings, self.embedding_dim = w.shape
+        self.num_embeddings, self.embedding_dim = codes.shape
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = F.embedding(ids, self.qweight).to(self.dtype)
@@ -313,7 +311,7 @@ def prepare_copies(model: nn.Module) -> int:
     rather than on some client's first long prompt. Returns how many layers it prepared."""
     layers = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
     for m in layers:
-        if vnni_int8_available() and m.vnni_min_rows <= KERNEL_MAX_ROWS:
+        if vnni_int8_available():
             m.vnni_matmul()
         if _dense_in_bf16() and _int4_layout_known():
             m.dense_bf16()

@@ -65,7 +65,6 @@ class VnniInt8Matmul:
             self.packed = torch.ops.quantized.linear_prepack(q, None)
         # W 1, of the weight as quantised (integer sums: exact and cheap)
         self.row_sums = (codes.sum(dim=1, dtype=torch.int32).double() * scales).float()
-        self.out_features = codes.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x if x.dtype is torch.float32 else x.float()
