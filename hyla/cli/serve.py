@@ -4,7 +4,8 @@
 With neither ``--checkpoint`` nor ``--preset``, ``hyla serve`` serves the quickstart model
 (``runs/quickstart``), training it first (a few minutes on a CPU) if it is not there.
 Decode runs eagerly by default; ``--compile`` puts it through ``torch.compile`` (one graph
-per decode batch width: worth it on a GPU, minutes of compiling on a CPU).
+per decode batch width, built in the background after the server is up: a minute or more
+on a CPU, where it makes a one-sequence decode step about 1.5x faster).
 
 Example:
     $ hyla serve --preset debug --port 8000
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
+import time
 
 from rich.console import Console
 
@@ -109,7 +111,9 @@ def add_serve(sub) -> argparse.ArgumentParser:
                    help="turn off the prefix cache (shared KV blocks, GLA state snapshots)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--compile", action="store_true",
-                      help="torch.compile the decode step (default: eager)")
+                      help="torch.compile the decode step, one graph a batch width, built in "
+                           "the background once the server is up (eager meanwhile; "
+                           "default: eager)")
     mode.add_argument("--eager", action="store_true", help="eager decode (the default)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="weights and activations (recurrent states stay float32); auto: "
@@ -198,7 +202,8 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
                           enable_prefix_caching=not args.no_prefix_caching,
                           kv_cache_memory=args.kv_cache_memory,
                           kv_cache_dtype=args.kv_cache_dtype,
-                          compile=args.compile, cuda_graphs=args.cuda_graphs)
+                          compile=args.compile, cuda_graphs=args.cuda_graphs,
+                          eager_until_compiled=args.compile and not args.cuda_graphs)
     engine = Engine(model, tok, config)
     if engine.kv_cache_bytes:
         blocks = engine.scheduler.config.num_kv_blocks
@@ -246,11 +251,16 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
 def warm_up(async_engine, args: argparse.Namespace, out: Console, ready: threading.Event,
             on_failure) -> None:
     """The server's warm-up, on its own thread while ``/health`` says "starting" (requests
-    wait for ``ready``): with ``--compile`` / ``--cuda-graphs`` every decode shape compiled
-    (captured), so no request waits on it; then one tiny request, so first-call costs
-    (allocator, kernels) land on no client's time to first token. A failure ends the server
-    (``on_failure``). Once ready, a quantised model's layers make the copies they would
-    otherwise make on some request's first prompt (:func:`~hyla.model.quantize.prepare_copies`)."""
+    wait for ``ready``): with ``--cuda-graphs`` every decode shape captured, so no request
+    waits on it; then one tiny request, so first-call costs (allocator, kernels) land on no
+    client's time to first token. A failure ends the server (``on_failure``).
+
+    Once ready, a quantised model's layers make the copies they would otherwise make on some
+    request's first prompt (:func:`~hyla.model.quantize.prepare_copies`), and then, with
+    ``--compile`` alone, each decode width's graph is built while the server serves that
+    width eagerly (a minute or more on a CPU, while eager steps slow down as the two threads
+    share the interpreter); ``/health`` lists the widths built. A width that fails to
+    compile stays eager."""
     import asyncio
 
     from hyla.serve.metrics import EngineMetrics
@@ -262,7 +272,7 @@ def warm_up(async_engine, args: argparse.Namespace, out: Console, ready: threadi
         async for _ in async_engine.generate([0], SamplingParams(max_tokens=2, temperature=0)):
             pass
     try:
-        if args.compile or args.cuda_graphs:
+        if args.cuda_graphs:
             # on the runner only (padding slot and block): no request is in the engine yet
             built = engine.warmup()
             out.print(f"compiled {built} decode graphs, captured {engine.runner.num_captures} "
@@ -277,7 +287,17 @@ def warm_up(async_engine, args: argparse.Namespace, out: Console, ready: threadi
         # the quantised layers' other copies (about a second), once the server is ready
         from hyla.model.quantize import prepare_copies
 
-        prepare_copies(engine.model)
+        prepare_copies(engine.model)       # before compiling: the graphs read them
+    if args.compile and not args.cuda_graphs:
+        began = time.perf_counter()
+        try:
+            # the padding slot and block only: requests run beside it, eagerly
+            built = engine.warmup()
+        except Exception as e:  # noqa: BLE001 - the widths not built stay eager
+            out.print(f"[yellow]compiling decode failed ({e!r}); widths "
+                      f"{sorted(engine.runner.built_widths)} compiled, the others eager[/]")
+            return
+        out.print(f"compiled {built} decode graphs in {time.perf_counter() - began:.0f} s")
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:

@@ -43,9 +43,13 @@ class SharedProduct(nn.Module):
         self.sizes = sizes
         self.recomputed = 0            # products computed again for a sibling's other input
         self.cached = _Cached()
+        self.traced = _Cached()        # what torch.compile traces through (see part)
 
     def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        c = self.cached
+        # A compiled step has a cache of its own: it replays its writes to the cache after
+        # each run, which would clobber an eager step's on another thread (a graph is built
+        # in the background while the engine thread serves eagerly).
+        c = self.traced if torch.compiler.is_compiling() else self.cached
         if x is not c.input or not (c.left >> i) & 1:
             if c.left:
                 self.recomputed += 1

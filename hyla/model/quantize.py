@@ -72,6 +72,7 @@ def _check_device(scheme: str, device: torch.device) -> None:
 
 
 @functools.cache
+@torch.compiler.assume_constant_result
 def _dense_in_bf16() -> bool:
     from hyla.ops.hardware import fast_low_precision_matmul
 
@@ -177,6 +178,7 @@ def _unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 @functools.cache
+@torch.compiler.assume_constant_result
 def _int4_layout_known() -> bool:
     # The packing is torch's internal choice: check once that it is the one unpacked here,
     # and otherwise keep to the kernel (slower for prefill, never wrong).

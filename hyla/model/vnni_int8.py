@@ -24,12 +24,15 @@ saturates unless the activations lose a bit; there the weight-only kernels stay.
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
+import weakref
 
 import torch
 
 
 @functools.cache
+@torch.compiler.assume_constant_result     # torch.compile: a constant, not a graph break
 def vnni_int8_available() -> bool:
     """Whether fbgemm's int8 products run here on VNNI (x86 with AVX512-VNNI)."""
     return ("fbgemm" in torch.backends.quantized.supported_engines
@@ -42,6 +45,22 @@ def per_row_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.detach().float()
     scale = (w.abs().amax(dim=1) / 127).clamp_(min=1e-12)
     return torch.div(w, scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), scale
+
+
+# torch.compile cannot put fbgemm's packed weight (a TorchScript object) in a graph, so a
+# compiled step calls the product through a custom op that names the weight by a number.
+_PACKED: weakref.WeakValueDictionary[int, VnniInt8Matmul] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
+
+
+@torch.library.custom_op("hyla::vnni_int8_linear", mutates_args=())
+def _linear_by_handle(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return torch.ops.quantized.linear_dynamic(x, _PACKED[handle].packed, False)
+
+
+@_linear_by_handle.register_fake
+def _(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], _PACKED[handle].out_features)
 
 
 class VnniInt8Matmul:
@@ -63,6 +82,9 @@ class VnniInt8Matmul:
             q = torch._make_per_channel_quantized_tensor(
                 codes, scales, torch.zeros(len(codes), dtype=torch.long), 0)
             self.packed = torch.ops.quantized.linear_prepack(q, None)
+        self.out_features = len(codes)
+        self.handle = next(_HANDLES)
+        _PACKED[self.handle] = self
         # W 1, of the weight as quantised (integer sums: exact and cheap)
         self.row_sums = (codes.sum(dim=1, dtype=torch.int32).double() * scales).float()
 
@@ -77,7 +99,9 @@ class VnniInt8Matmul:
         residual = scaled.sub_(scaled.round()).add_(0.5)     # what the grid missed, in [0, 1]
         # one call for both (the weight is read once); reduce_range False: 8-bit activations,
         # safe with VNNI's int32 sums
-        y = torch.ops.quantized.linear_dynamic(torch.cat([unit, residual]), self.packed, False)
+        both = torch.cat([unit, residual])
+        y = (_linear_by_handle(both, self.handle) if torch.compiler.is_compiling()
+             else torch.ops.quantized.linear_dynamic(both, self.packed, False))
         # W x = span (W unit + (W residual - W 1 / 2) / 255) + low W 1
         out = torch.add(y[:M], y[M:], alpha=1 / 255).mul_(span)
         return out.addcmul_(low - span / 510, self.row_sums)

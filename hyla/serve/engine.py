@@ -71,6 +71,9 @@ class EngineConfig:
     snapshot_interval: int = 256
     decode_widths: tuple[int, ...] | None = None
     compile: bool = False
+    # with compile: decode runs eagerly until warmup() has built each width's graph (a
+    # server warms up in the background and serves meanwhile)
+    eager_until_compiled: bool = False
     cuda_graphs: bool = False
     # logits [B, V], per-row params and generators -> (tokens, logprobs); the same sampler
     # as hyla.model.generate by default
@@ -187,7 +190,8 @@ class Engine:
         self.runner = Runner(model, max_num_seqs=c.max_num_seqs, num_kv_blocks=blocks,
                              block_size=c.block_size,
                              num_snapshots=snaps if has_gla else 0, compile=c.compile,
-                             cuda_graphs=c.cuda_graphs, kv_dtype=kv_dtype)
+                             cuda_graphs=c.cuda_graphs, kv_dtype=kv_dtype,
+                             eager_until_built=c.compile and c.eager_until_compiled)
         # what the paged KV blocks hold (``hyla serve`` logs it)
         self.kv_cache_bytes = (blocks * kv_block_bytes(model, c.block_size, kv_dtype)
                                if has_attn else 0)

@@ -9,18 +9,24 @@ scheduler hands out; a :class:`~hyla.model.context.Context` hands the buffers to
 
 Decode runs at a fixed set of batch widths (and of block-table lengths, powers of two), so
 ``torch.compile`` sees a closed set of shapes; ``num_compilations`` counts the graphs it
-built. On CUDA, ``cuda_graphs=True`` also captures each of those shapes as a CUDA graph
+built. The block tables' length is symbolic in those graphs (attention reads the paged
+cache in place, :mod:`hyla.ops.paged_attention`), so there is one graph a width. On CUDA,
+``cuda_graphs=True`` also captures each of those shapes as a CUDA graph
 (:mod:`hyla.serve.cuda_graphs`; ``num_captures`` counts them) and decode replays it.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
 import torch
 
 from hyla.model import Context, HylaLM, SequenceState
+from hyla.ops.paged_attention import kv_spans
+
+_RUNNER_KEYS = itertools.count()       # what tells compiled runners' graphs apart
 
 
 def _pow2(n: int) -> int:
@@ -30,47 +36,6 @@ def _pow2(n: int) -> int:
 # Decode batches up to this many sequences read their KV rows in place, one attention call
 # a sequence (:meth:`Context.span_rows`); wider ones gather them into one batched call.
 SPAN_MAX_BATCH = 8
-
-
-def kv_spans(tables: list[list[int]], positions: list[int], block_size: int
-             ) -> tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]:
-    """Where each sequence's KV rows lie, for a decode step that reads them in place: the
-    block and offset its new token's row goes to, and the row ranges (first row, rows) of
-    the flattened paged buffer ``[blocks * block_size, ...]`` that hold its rows up to that
-    one. A single query attends to its rows in any order, so the full blocks are sorted and
-    merged where they touch, and the last block's rows join the range that ends where it
-    starts: blocks handed out of order (a prefix cache reusing freed ones, last freed first)
-    still read as a few views, not a gathered copy.
-
-    Example:
-        >>> kv_spans([[4, 5, 6], [0]], [40, 3], 16)
-        ((6, 8, ((64, 41),)), (0, 3, ((0, 4),)))
-        >>> kv_spans([[9, 4, 5]], [40], 16)     # blocks 4, 5 (9 rows) and 9
-        ((5, 8, ((64, 25), (144, 16))),)
-    """
-    out = []
-    for table, pos in zip(tables, positions, strict=True):
-        n = pos // block_size + 1
-        last, tail = table[n - 1], pos % block_size + 1
-        first = table[0]
-        if last - first == n - 1 and table[:n] == list(range(first, last + 1)):
-            out.append((last, tail - 1, ((first * block_size, pos + 1),)))   # the usual case
-            continue
-        ranges: list[list[int]] = []
-        for block in sorted(table[:n - 1]):
-            if ranges and sum(ranges[-1]) == block * block_size:
-                ranges[-1][1] += block_size
-            else:
-                ranges.append([block * block_size, block_size])
-        start = last * block_size
-        for r in ranges:
-            if sum(r) == start:
-                r[1] += tail
-                break
-        else:
-            ranges.append([start, tail])
-        out.append((last, tail - 1, tuple((a, b) for a, b in ranges)))
-    return tuple(out)
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -115,12 +80,15 @@ class Runner:
     def __init__(self, model: HylaLM, *, max_num_seqs: int, num_kv_blocks: int,
                  block_size: int = 16, num_snapshots: int = 0, compile: bool = False,
                  cuda_graphs: bool = False, capture=None, kv_dtype: torch.dtype | None = None,
-                 kv_in_place: bool = True):
+                 kv_in_place: bool = True, eager_until_built: bool = False):
         """``compile``: decode through ``torch.compile`` (fixed shapes). ``cuda_graphs``:
         replay each decode shape as a captured CUDA graph (needs a CUDA model unless a
         stand-in ``capture`` function is given, as the CPU tests do). ``kv_dtype``: the
         paged KV blocks' dtype (default: the model's). ``kv_in_place``: eager decode reads
-        a sequence's consecutive KV blocks as views (False: always gather them, as before)."""
+        a sequence's consecutive KV blocks as views (False: always gather them, as before).
+        ``eager_until_built`` (with ``compile``): a width runs eagerly until :meth:`warmup`
+        has built its graph, so a server serves while its graphs compile in the background
+        (else the first call of each shape compiles it)."""
         self.model = model
         p = model.anchor
         self.device, self.dtype = p.device, p.dtype
@@ -158,7 +126,18 @@ class Runner:
             # eager silently once more shapes were seen.
             _dynamo.config.recompile_limit = 1024
             _dynamo.config.accumulated_recompile_limit = 4096
-            self._decode_fn = torch.compile(self._decode_impl, dynamic=False)
+            # The model is frozen while it serves: guarding every module attribute on each
+            # call cost 1.4 ms of a 15 ms SmolLM2 step; the shapes stay guarded. Without
+            # those guards, graphs built for another runner's model would match this one's
+            # calls, so each runner's calls carry a number of its own (an int argument is
+            # guarded by value).
+            compiled = torch.compile(
+                self._decode_impl, dynamic=False,
+                options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+            key = next(_RUNNER_KEYS)
+            self._decode_fn = lambda *args: compiled(*args, graph_key=key)
+        self.eager_until_built = eager_until_built
+        self.built_widths: set[int] = set()     # widths warmup has compiled (or captured)
         self.num_compilations = 0      # graphs torch.compile built for decode
         self.compile_time_s = 0.0      # wall time of the decode calls that compiled
         self.graphs = None
@@ -174,6 +153,10 @@ class Runner:
     def fixed_shapes(self) -> bool:
         """Decode pads to fixed widths and block-table lengths (compiled or graphed)."""
         return self.compiled or self.graphs is not None
+
+    def runs_graph(self, width: int) -> bool:
+        """Whether a decode of this width runs its compiled (or captured) graph."""
+        return self.fixed_shapes and (not self.eager_until_built or width in self.built_widths)
 
     @property
     def num_captures(self) -> int:
@@ -308,23 +291,30 @@ class Runner:
                                   torch.cat(top_v).cpu()))
         return logits, out
 
-    @torch.inference_mode()   # cheaper than no_grad a call: no version counters
     def decode(self, slots: list[int], tokens: list[int], positions: list[int],
                block_tables: list[list[int]], width: int) -> torch.Tensor:
         """One token for each of B sequences.
 
         ``positions[b]`` is the token's position (tokens already in the state). Compiled,
         the batch is padded to ``width`` rows and the block tables to a power-of-two
-        length, so the graph sees only those shapes; eager, it runs the B rows as they are
-        (padding would only cost time). Returns logits [B, vocab] (fp32).
+        length (at least 2), so the graph sees only those shapes (torch.compile: the
+        tables' length is symbolic, one graph a width); eager, it runs the B rows as they
+        are (padding would only cost time). Returns logits [B, vocab] (fp32).
         """
+        return self._decode(slots, tokens, positions, block_tables, width,
+                            self.runs_graph(width))
+
+    @torch.inference_mode()   # cheaper than no_grad a call: no version counters
+    def _decode(self, slots, tokens, positions, block_tables, width: int, fixed: bool):
         B = len(slots)
         if not 1 <= B <= width:
             raise ValueError(f"decode batch of {B} does not fit width {width}")
-        rows = width if self.fixed_shapes else B
+        rows = width if fixed else B
         pad = rows - B
         longest = max((len(t) for t in block_tables), default=0)
-        nb = (_pow2(longest) if self.fixed_shapes else longest) if self.has_growing else 0
+        if fixed:       # compiled: at least 2 (mark_dynamic below)
+            longest = _pow2(max(longest, 2 if self.compiled else 1))
+        nb = longest if self.has_growing else 0
         tables = torch.full((rows, nb), self.pad_block, dtype=torch.long)
         for b, t in enumerate(block_tables if nb else ()):
             tables[b, :len(t)] = torch.tensor(t, dtype=torch.long)
@@ -333,7 +323,7 @@ class Runner:
                 torch.tensor(list(slots) + [self.pad_slot] * pad, device=dev),
                 torch.tensor(list(positions) + [0] * pad, device=dev),
                 tables.to(dev))
-        if not self.fixed_shapes:
+        if not fixed:
             # Consecutive slots (the usual case: slots are handed out lowest first and the
             # engine sorts the batch) let fixed-size states update in place.
             first = slots[0]
@@ -354,6 +344,11 @@ class Runner:
                         torch.full((rows, nb), self.pad_block, dtype=torch.long, device=dev))
             logits = self.graphs(pad_args, args)[:B]
         else:
+            if nb:
+                # the block tables' length is symbolic in the graph: the attention op reads
+                # the rows in place, so every context length runs the same graph (sizes 0
+                # and 1 are always specialised, hence tables of at least two blocks)
+                torch._dynamo.mark_dynamic(args[3], 1)
             logits = self._decode_fn(*args)[:B]
         built = counters["stats"]["unique_graphs"] - before
         if built:
@@ -373,11 +368,14 @@ class Runner:
                 nbs.append(nbs[-1] * 2)
         for w in widths:
             for nb in nbs:
-                self.decode([self.pad_slot], [0], [0], [[self.pad_block] * nb], w)
+                self._decode([self.pad_slot], [0], [0], [[self.pad_block] * nb], w, True)
+            self.built_widths.add(w)
         return self.num_compilations - before
 
     def _decode_impl(self, tokens, slots, positions, tables, span: slice | None = None,
-                     kv_spans: tuple | None = None):
+                     kv_spans: tuple | None = None, graph_key: int = 0):
+        if graph_key < 0:       # read, so that torch.compile guards on it (see __init__)
+            raise ValueError(f"graph_key must be >= 0, got {graph_key}")
         ctx = Context.decode(slots, positions, tables, self.buffers,
                              block_size=self.block_size, slot_span=span, kv_spans=kv_spans)
         return self.model(tokens[:, None], ctx)[:, 0].float()

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from hyla.model import Context, HylaLM, preset
+from hyla.ops.paged_attention import kv_spans
 from hyla.serve.block_manager import BlockManager
 from hyla.serve.engine import Engine, EngineConfig, kv_block_bytes, kv_dtype_for
-from hyla.serve.runner import Runner, kv_spans
+from hyla.serve.runner import Runner
 from hyla.serve.sequence import SamplingParams
 
 
@@ -46,7 +47,7 @@ def test_in_place_decode_matches_the_gather_and_reads_no_gathered_rows(model, mo
 
 
 def test_long_spans_read_by_two_gemms_give_what_sdpa_gives(model, monkeypatch):
-    from hyla.model.mixers import attention as attention_module
+    from hyla.ops import paged_attention as attention_module
 
     tables = [[0, 1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13]]
     sdpa = _decode_logits(model, tables, in_place=True)

@@ -86,6 +86,19 @@ def test_failed_warm_up_ends_the_server_and_never_says_ready(engine, monkeypatch
     def broken(*a, **k):
         raise RuntimeError("no kernels")
     monkeypatch.setattr(engine.engine, "warmup", broken)
-    args = argparse.Namespace(compile=True, cuda_graphs=False)
+    args = argparse.Namespace(compile=False, cuda_graphs=True)     # captured before ready
     warm_up(engine, args, Console(quiet=True), ready, failed.append)
     assert not ready.is_set() and "no kernels" in repr(failed[0])
+
+
+def test_compiling_fails_after_ready_and_the_server_stays_eager(engine, monkeypatch):
+    ready, failed = threading.Event(), []
+
+    def broken(*a, **k):
+        raise RuntimeError("no compiler")
+    monkeypatch.setattr(engine.engine, "warmup", broken)
+    args = argparse.Namespace(compile=True, cuda_graphs=False)     # built after ready
+    console = Console(record=True, width=200)
+    warm_up(engine, args, console, ready, failed.append)
+    assert ready.is_set() and not failed
+    assert "no compiler" in console.export_text()

@@ -15,12 +15,12 @@ from torch import nn
 from hyla.model.layers import RMSNorm, rotate, shared_rotary_tables
 from hyla.model.mixers.base import Mixer, StateSpec, TensorSpec, merge_kv_heads, register_mixer
 from hyla.ops.attention import (
-    attend_one_query,
     attention,
     attention_with_cache,
     window_mask,
     with_sinks,
 )
+from hyla.ops.paged_attention import attend_spans, paged_decode_attention
 
 
 @dataclass(frozen=True)
@@ -74,11 +74,6 @@ class AttentionOptions:
         if self.value_head_dim is not None and self.value_head_dim <= 0:
             raise ValueError(f"value_head_dim must be a positive int or None, "
                              f"got {self.value_head_dim}")
-
-
-# From this many cached rows a decode step reads a sequence's KV span with
-# :func:`attend_one_query` (two GEMMs) instead of SDPA (measured crossover: 1K-4K rows).
-LONG_SPAN_ROWS = 2048
 
 
 @register_mixer("A")
@@ -290,8 +285,16 @@ class AttentionMixer(Mixer):
         ctx.append_rows(buf["keys"], k[:, 0])
         ctx.append_rows(buf["values"], v[:, 0])
         window = self.cfg.sliding_window
-        if ctx.kv_spans is not None and window is None and not self.opts.sinks:
-            return self._output(self._attend_spans(q, buf, ctx), gate)
+        if window is None and not self.opts.sinks:
+            # every row of its sequence is visible to the query: read them in place, as
+            # views the engine worked out (eager), or inside one op when compiled (the graph
+            # then does not depend on the block tables' length: one for every context)
+            if ctx.kv_spans is not None:
+                return self._output(attend_spans(q, buf["keys"], buf["values"], ctx.kv_spans),
+                                    gate)
+            if torch.compiler.is_compiling():
+                return self._output(paged_decode_attention(
+                    q, buf["keys"], buf["values"], ctx.block_tables, positions), gate)
         if window is None:
             keys = ctx.batch_rows(buf["keys"]).to(q.dtype)      # [B, blocks * bs, Hkv, D]
             values = ctx.batch_rows(buf["values"]).to(q.dtype)
@@ -309,28 +312,6 @@ class AttentionMixer(Mixer):
                                            values.transpose(1, 2), attn_mask=mask, scale=scale,
                                            enable_gqa=keys.shape[2] != q.shape[2])
         return self._output(o.transpose(1, 2), gate)
-
-    def _attend_spans(self, q: torch.Tensor, buf, ctx) -> torch.Tensor:
-        """Decode reading each sequence's keys and values in place: its rows are a few
-        views of the paged buffer (``ctx.kv_spans``), every row of which the new query sees:
-        no gather, no mask. The query heads sharing a KV head
-        become that head's rows (GQA without repeating keys). q [B, 1, H, D] -> [B, 1, H, Dv]."""
-        B, _, H, D = q.shape
-        keys, values = buf["keys"], buf["values"]
-        h_kv = keys.shape[-2]
-        outs = []
-        for b in range(B):
-            ks, vs = ctx.span_rows(keys, b), ctx.span_rows(values, b)
-            k, v = ks[0], vs[0]
-            qb = q[b, 0] if q.dtype is k.dtype else q[b, 0].to(k.dtype)
-            if len(ks) > 1 or k.shape[0] >= LONG_SPAN_ROWS:    # GEMMs over the rows as they lie
-                outs.append(attend_one_query(qb, ks, vs).view(h_kv, H // h_kv, -1))
-                continue
-            # 4-D [1, Hkv, rows, D]: what the fused CPU kernel takes (3-D goes the slow way)
-            outs.append(F.scaled_dot_product_attention(
-                qb.reshape(1, h_kv, H // h_kv, D), k.transpose(0, 1)[None],
-                v.transpose(0, 1)[None])[0])
-        return torch.stack(outs).reshape(B, 1, H, -1).to(q.dtype)
 
     def _window_rows(self, buf, ctx):
         """Decode with a sliding window: only the blocks the window covers, a fixed number a

@@ -1,0 +1,117 @@
+"""Decode attention over paged KV blocks, read in place: one new query per sequence.
+
+The engine keeps keys and values in blocks ``[blocks, block_size, H_kv, D]`` and each
+sequence's block table says which blocks are its. A decode step's query sees every row of its
+sequence, so the rows may be read in any order: :func:`kv_spans` turns a table into a few
+ranges of the flattened buffer (one, when the blocks are consecutive) and
+:func:`attend_spans` attends to them as views, with no gathered copy.
+
+:func:`paged_decode_attention` is the same as one op that ``torch.compile`` keeps whole
+(``hyla::paged_decode_attention``): a compiled decode step reads the cache in place too, and
+its graph does not depend on how long the sequences are, so one graph serves every context
+length (a gather would have to be traced per block-table length).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hyla.ops.attention import attend_one_query
+
+# From this many cached rows a sequence's KV span is read with attend_one_query (two GEMMs)
+# instead of SDPA (measured crossover: 1K-4K rows); scattered rows always go there
+LONG_SPAN_ROWS = 2048
+
+Spans = tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]
+
+
+def kv_spans(tables: list[list[int]], positions: list[int], block_size: int) -> Spans:
+    """Where each sequence's KV rows lie, for a decode step that reads them in place: the
+    block and offset its new token's row goes to, and the row ranges (first row, rows) of
+    the flattened paged buffer ``[blocks * block_size, ...]`` that hold its rows up to that
+    one. A single query attends to its rows in any order, so the full blocks are sorted and
+    merged where they touch, and the last block's rows join the range that ends where it
+    starts: blocks handed out of order (a prefix cache reusing freed ones, last freed first)
+    still read as a few views, not a gathered copy.
+
+    Example:
+        >>> kv_spans([[4, 5, 6], [0]], [40, 3], 16)
+        ((6, 8, ((64, 41),)), (0, 3, ((0, 4),)))
+        >>> kv_spans([[9, 4, 5]], [40], 16)     # blocks 4, 5 (9 rows) and 9
+        ((5, 8, ((64, 25), (144, 16))),)
+    """
+    out = []
+    for table, pos in zip(tables, positions, strict=True):
+        n = pos // block_size + 1
+        last, tail = table[n - 1], pos % block_size + 1
+        first = table[0]
+        if last - first == n - 1 and table[:n] == list(range(first, last + 1)):
+            out.append((last, tail - 1, ((first * block_size, pos + 1),)))   # the usual case
+            continue
+        ranges: list[list[int]] = []
+        for block in sorted(table[:n - 1]):
+            if ranges and sum(ranges[-1]) == block * block_size:
+                ranges[-1][1] += block_size
+            else:
+                ranges.append([block * block_size, block_size])
+        start = last * block_size
+        for r in ranges:
+            if sum(r) == start:
+                r[1] += tail
+                break
+        else:
+            ranges.append([start, tail])
+        out.append((last, tail - 1, tuple((a, b) for a, b in ranges)))
+    return tuple(out)
+
+
+def attend_spans(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 spans: Spans) -> torch.Tensor:
+    """q [B, 1, H, D] attends, per sequence, to the rows ``spans`` name (:func:`kv_spans`)
+    of the paged ``keys`` [blocks, block_size, H_kv, D] and ``values`` (..., Dv), all of them
+    visible, softmax scale 1 / sqrt(D) -> [B, 1, H, Dv] in q's dtype. The query heads sharing
+    a KV head become that head's rows (GQA without repeating keys)."""
+    B, _, H, D = q.shape
+    flat_k, flat_v = keys.flatten(0, 1), values.flatten(0, 1)
+    h_kv = keys.shape[-2]
+    outs = []
+    for b in range(B):
+        ks = [flat_k[first:first + rows] for first, rows in spans[b][2]]
+        vs = [flat_v[first:first + rows] for first, rows in spans[b][2]]
+        k, v = ks[0], vs[0]
+        qb = q[b, 0] if q.dtype is k.dtype else q[b, 0].to(k.dtype)
+        if len(ks) > 1 or k.shape[0] >= LONG_SPAN_ROWS:
+            outs.append(attend_one_query(qb, ks, vs).view(h_kv, H // h_kv, -1))
+            continue
+        # 4-D [1, Hkv, rows, D]: what the fused CPU kernel takes (3-D goes the slow way)
+        outs.append(F.scaled_dot_product_attention(
+            qb.reshape(1, h_kv, H // h_kv, D), k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None])[0])
+    return torch.stack(outs).reshape(B, 1, H, -1).to(q.dtype)
+
+
+@torch.library.custom_op("hyla::paged_decode_attention", mutates_args=())
+def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """:func:`attend_spans` for sequences given by their padded ``block_tables`` [B, nb] and
+    ``positions`` [B] (the new token's; its row must already be written), as one op.
+
+    Example:
+        >>> keys, values = torch.randn(3, 4, 2, 8), torch.randn(3, 4, 2, 8)
+        >>> q = torch.randn(1, 1, 4, 8)
+        >>> out = paged_decode_attention(q, keys, values, torch.tensor([[2, 0]]),
+        ...                              torch.tensor([5]))
+        >>> rows = torch.cat([keys[2], keys[0, :2]]), torch.cat([values[2], values[0, :2]])
+        >>> ref = F.scaled_dot_product_attention(q[0, 0].view(2, 2, 8),
+        ...     rows[0].transpose(0, 1), rows[1].transpose(0, 1))
+        >>> torch.allclose(out.view(2, 2, 8), ref, atol=1e-5)
+        True
+    """
+    spans = kv_spans(block_tables.tolist(), positions.tolist(), keys.shape[1])
+    return attend_spans(q, keys, values, spans)
+
+
+@paged_decode_attention.register_fake
+def _(q, keys, values, block_tables, positions):
+    return q.new_empty(*q.shape[:3], values.shape[-1])

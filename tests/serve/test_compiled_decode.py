@@ -1,0 +1,81 @@
+"""Compiled decode: one graph a batch width serves every context length (attention reads the
+paged cache in place through ``hyla::paged_decode_attention``), quantised layers trace
+without graph breaks, and with ``eager_until_built`` a width runs eagerly until a warm-up on
+another thread has built its graph (what ``hyla serve --compile`` does)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from hyla.model import HylaLM, preset
+from hyla.model.quantize import prepare_copies, quantize_model
+from hyla.serve.runner import Runner
+
+PROMPTS = [[1, 2, 3], list(range(5, 42))]      # 1 and 3 blocks of 16: tables padded to 2, 4
+TABLES = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = preset("debug")
+    cfg.layers = "GAGA"
+    return HylaLM(cfg).eval()
+
+
+def _run(runner: Runner, steps: int = 30, between=None) -> torch.Tensor:
+    """Prefill both prompts, then decode ``steps`` tokens of both: every step's logits."""
+    runner.prefill([(b, p, 0, TABLES[b]) for b, p in enumerate(PROMPTS)])
+    pos, out = [len(p) for p in PROMPTS], []
+    for i in range(steps):
+        out.append(runner.decode([0, 1], [10 + i % 50, 60 + i % 50], pos, TABLES, width=2))
+        pos = [p + 1 for p in pos]
+        if between is not None:
+            between(i)
+    return torch.stack(out)
+
+
+def test_one_graph_serves_every_context_length_and_matches_eager(model):
+    eager = _run(Runner(model, max_num_seqs=2, num_kv_blocks=10))
+    compiled = Runner(model, max_num_seqs=2, num_kv_blocks=10, compile=True)
+    got = _run(compiled)         # contexts 3 .. 67 tokens: tables of 2 and 4 blocks
+    assert compiled.num_compilations == 1
+    torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_quantised_layers_compile_without_graph_breaks(model):
+    q = copy.deepcopy(model)
+    quantize_model(q, "int4")
+    prepare_copies(q)          # the int8 and bf16 copies exist before the graph reads them
+    eager = _run(Runner(q, max_num_seqs=2, num_kv_blocks=10), steps=6)
+    counters.clear()
+    compiled = Runner(q, max_num_seqs=2, num_kv_blocks=10, compile=True)
+    got = _run(compiled, steps=6)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert compiled.num_compilations == 1
+    # the graph keeps some bf16 roundings in float32, so not bit for bit
+    torch.testing.assert_close(got, eager, rtol=0.02, atol=0.02)
+
+
+def test_a_width_runs_eagerly_until_a_background_warm_up_builds_it(model):
+    want = _run(Runner(model, max_num_seqs=2, num_kv_blocks=10))
+    runner = Runner(model, max_num_seqs=2, num_kv_blocks=10, compile=True,
+                    eager_until_built=True)
+    warm = threading.Thread(target=runner.warmup, args=((2,), 5))
+    graphed = []
+
+    def around_the_warm_up(i: int) -> None:
+        graphed.append(runner.runs_graph(2))
+        if i == 0:
+            warm.start()                # compiles while this thread goes on decoding
+        if i == 19:
+            warm.join()                 # the last ten steps run the graph
+    got = _run(runner, between=around_the_warm_up)
+    assert graphed[0] is False and graphed[-1] is True
+    assert runner.num_compilations >= 1
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
