@@ -13,7 +13,7 @@ run one at a time, in alternating rounds, and each row is the median over rounds
 - long context (`--student DIR` adds a distilled student): decode tok/s of one request after
   4K and 16K tokens of prompt, for the teacher in llama.cpp and in hyla (and the student).
 
-    python benchmarks/vs_llamacpp.py [--rounds 3] [--quantize int4] [--student DIR]
+    python benchmarks/vs_llamacpp.py [--rounds 3] [--quantize int4] [--compile] [--student DIR]
     python benchmarks/vs_llamacpp.py --long-only --student runs/smollm2-hybrid
 
 Writes benchmarks/results/vs_llamacpp.json. A benchmark, not a test: it compiles llama.cpp
@@ -40,6 +40,7 @@ import urllib.request
 import httpx
 
 from hyla.model.names import resolve_name
+from hyla.serve.scheduler import decode_widths
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "vs_llamacpp.json"
 CACHE = pathlib.Path.home() / ".cache" / "hyla" / "llama-cpp"
@@ -88,8 +89,19 @@ def start(kind: str, gguf: pathlib.Path, port: int, args) -> tuple[subprocess.Po
     else:
         cmd = [sys.executable, "-m", "hyla", "serve", "--checkpoint", str(gguf), "--threads", "1",
                "--port", str(port), "--quantize", args.quantize, "--max-num-seqs", "16",
-               "--log-level", "warning"]
+               "--log-level", "warning", *(["--compile"] if args.compile else [])]
     return launch(kind, cmd, env, port)
+
+
+def wait_compiled(port: int, began: float, widths: list[int]) -> float:
+    """With ``--compile``: wait until ``/health`` lists every decode width compiled (the
+    server serves eagerly meanwhile); seconds from the start."""
+    while time.perf_counter() - began < 1800:
+        body = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
+        if body.get("decode_widths_compiled") == widths:
+            return time.perf_counter() - began
+        time.sleep(1)
+    raise SystemExit(f"hyla had not compiled decode widths {widths} within 1800 s")
 
 
 def launch(kind: str, cmd: list[str], env: dict, port: int) -> tuple[subprocess.Popen, float]:
@@ -141,10 +153,13 @@ def prefill_tokens_per_s(url: str) -> float:
 
 def one_round(kind: str, gguf: pathlib.Path, args) -> dict:
     port = free_port()
+    began = time.perf_counter()
     proc, startup = start(kind, gguf, port, args)
     url = f"http://127.0.0.1:{port}"
     try:
         row = {"startup_s": startup, "rss_loaded_mb": rss_mb(proc.pid)}
+        if kind == "hyla" and args.compile:
+            row["compiled_s"] = wait_compiled(port, began, list(decode_widths(16)))
         MODEL[url] = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         stream_times(url, "Hello", 4)                                      # warm up
         _, dt, n = stream_times(url, PROMPT, 128)
@@ -190,8 +205,12 @@ def start_long(kind: str, source: str, port: int, args) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "hyla", "serve", "--checkpoint", source, "--threads", "1",
                "--port", str(port), "--max-num-seqs", "1", "--max-model-len", ctx,
                "--log-level", "warning", "--quantize", args.quantize,
-               "--kv-cache-dtype", "bfloat16"]
-    return launch(kind, cmd, env, port)[0]
+               "--kv-cache-dtype", "bfloat16", *(["--compile"] if args.compile else [])]
+    began = time.perf_counter()
+    proc = launch(kind, cmd, env, port)[0]
+    if kind == "hyla" and args.compile:
+        wait_compiled(port, began, [1])
+    return proc
 
 
 def long_context_row(kind: str, source: str, args) -> dict:
@@ -216,6 +235,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     parser.add_argument("--quantize", default="int4", help="hyla's --quantize (default int4)")
+    parser.add_argument("--compile", action="store_true",
+                        help="hyla serve --compile; its rows are measured once every decode "
+                             "width is compiled (start-up stays the time to a healthy server, "
+                             "which serves eagerly meanwhile; default: eager)")
     parser.add_argument("--student", default=None,
                         help="a distilled student (hyla run directory) for the long-context "
                              "row (default: none)")
@@ -243,6 +266,8 @@ def main() -> None:
             "rss_after_mb", "startup_s")
     med = {k: {key: statistics.median(x[key] for x in v) for key in keys}
            for k, v in runs.items() if v}
+    if med and args.compile:
+        med["hyla"]["compiled_s"] = statistics.median(x["compiled_s"] for x in runs["hyla"])
     if med:
         print(f"\n{'':22} {'llama.cpp':>10} {'hyla':>10} {'hyla/llama':>11}")
         for key in keys:
@@ -271,6 +296,7 @@ def main() -> None:
     previous = earlier if not med else {}
     RESULTS.write_text(json.dumps({
         **previous, "model": gguf.name, "threads": 1, "hyla_quantize": args.quantize,
+        "hyla_compile": args.compile,
         "machine": f"{platform.machine()} {os.cpu_count()} cores",
         **({"rounds": args.rounds, "median": med, "runs": runs} if med else {}),
         "load_average": os.getloadavg(),

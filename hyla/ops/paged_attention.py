@@ -23,6 +23,10 @@ from hyla.ops.attention import attend_one_query
 # instead of SDPA (measured crossover: 1K-4K rows); scattered rows always go there
 LONG_SPAN_ROWS = 2048
 
+# Decode batches up to this many sequences read their KV rows in place, one attention call
+# a sequence (attend_spans); wider ones gather them into one batched product (attend_gathered)
+SPAN_MAX_BATCH = 8
+
 Spans = tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]
 
 
@@ -91,6 +95,28 @@ def attend_spans(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return torch.stack(outs).reshape(B, 1, H, -1).to(q.dtype)
 
 
+def attend_gathered(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """As :func:`attend_spans`, for many sequences at once: their blocks up to the longest
+    one's last row gathered into ``[B, rows, H_kv, D]``, scored against the query heads of
+    each KV head in the cache's dtype (fp32 softmax), rows past a sequence's position masked.
+
+    Wide decode batches: one batched product instead of a call a sequence, and no masked SDPA
+    (at 16 sequences of 80 rows: 0.27 against 0.9-1 ms a layer, one thread).
+    """
+    B, _, H, D = q.shape
+    bs, h_kv = keys.shape[1], keys.shape[-2]
+    n = int(positions.max()) // bs + 1
+    k = keys[block_tables[:, :n]].flatten(1, 2)                   # [B, n * bs, H_kv, D]
+    v = values[block_tables[:, :n]].flatten(1, 2)
+    qg = q.view(B, h_kv, H // h_kv, D).to(k.dtype)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float()      # [B, H_kv, G, rows]
+    hidden = torch.arange(n * bs, device=q.device) > positions[:, None]
+    probs = scores.mul_(D ** -0.5).masked_fill_(hidden[:, None, None], float("-inf"))
+    out = torch.matmul(probs.softmax(-1).to(v.dtype), v.transpose(1, 2))
+    return out.reshape(B, 1, H, -1).to(q.dtype)
+
+
 @torch.library.custom_op("hyla::paged_decode_attention", mutates_args=())
 def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                            block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -108,6 +134,8 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
         >>> torch.allclose(out.view(2, 2, 8), ref, atol=1e-5)
         True
     """
+    if q.shape[0] > SPAN_MAX_BATCH:
+        return attend_gathered(q, keys, values, block_tables, positions)
     spans = kv_spans(block_tables.tolist(), positions.tolist(), keys.shape[1])
     return attend_spans(q, keys, values, spans)
 

@@ -24,18 +24,13 @@ from dataclasses import dataclass
 import torch
 
 from hyla.model import Context, HylaLM, SequenceState
-from hyla.ops.paged_attention import kv_spans
+from hyla.ops.paged_attention import SPAN_MAX_BATCH, kv_spans
 
 _RUNNER_KEYS = itertools.count()       # what tells compiled runners' graphs apart
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
-
-
-# Decode batches up to this many sequences read their KV rows in place, one attention call
-# a sequence (:meth:`Context.span_rows`); wider ones gather them into one batched call.
-SPAN_MAX_BATCH = 8
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -20,7 +20,7 @@ from hyla.ops.attention import (
     window_mask,
     with_sinks,
 )
-from hyla.ops.paged_attention import attend_spans, paged_decode_attention
+from hyla.ops.paged_attention import attend_gathered, attend_spans, paged_decode_attention
 
 
 @dataclass(frozen=True)
@@ -295,6 +295,8 @@ class AttentionMixer(Mixer):
             if torch.compiler.is_compiling():
                 return self._output(paged_decode_attention(
                     q, buf["keys"], buf["values"], ctx.block_tables, positions), gate)
+            return self._output(attend_gathered(q, buf["keys"], buf["values"],
+                                                ctx.block_tables, positions), gate)
         if window is None:
             keys = ctx.batch_rows(buf["keys"]).to(q.dtype)      # [B, blocks * bs, Hkv, D]
             values = ctx.batch_rows(buf["values"]).to(q.dtype)
