@@ -36,7 +36,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +43,7 @@ from torch import nn
 
 from hyla.model.fused_projections import fuse_siblings
 from hyla.model.vnni_int8 import VnniInt8Matmul, per_row_int8, vnni_int8_available
+from hyla.ops.hardware import checked_once
 from hyla.perf import release_freed_memory
 
 SCHEMES = ("none", "int8", "int4")
@@ -71,8 +71,7 @@ def _check_device(scheme: str, device: torch.device) -> None:
                          f"only, not {device.type}; serve with --quantize none on {device.type}")
 
 
-@functools.cache
-@torch.compiler.assume_constant_result
+@checked_once
 def _dense_in_bf16() -> bool:
     from hyla.ops.hardware import fast_low_precision_matmul
 
@@ -177,8 +176,7 @@ def _unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return codes.transpose(1, 2).reshape(n, k)
 
 
-@functools.cache
-@torch.compiler.assume_constant_result
+@checked_once
 def _int4_layout_known() -> bool:
     # The packing is torch's internal choice: check once that it is the one unpacked here,
     # and otherwise keep to the kernel (slower for prefill, never wrong).
@@ -311,6 +309,8 @@ def prepare_copies(model: nn.Module) -> int:
     int8 one for fbgemm's products, the dense bf16 one for prefill), so that no request
     pays for them: about a second for SmolLM2-135M, which a server spends after it is ready
     rather than on some client's first long prompt. Returns how many layers it prepared."""
+    # the checks forward makes, answered now: a compiled step then sees constants
+    vnni_int8_available(), _dense_in_bf16(), _int4_layout_known()
     layers = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
     for m in layers:
         if vnni_int8_available():

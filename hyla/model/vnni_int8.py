@@ -23,16 +23,16 @@ saturates unless the activations lose a bit; there the weight-only kernels stay.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import warnings
 import weakref
 
 import torch
 
+from hyla.ops.hardware import checked_once
 
-@functools.cache
-@torch.compiler.assume_constant_result     # torch.compile: a constant, not a graph break
+
+@checked_once
 def vnni_int8_available() -> bool:
     """Whether fbgemm's int8 products run here on VNNI (x86 with AVX512-VNNI)."""
     return ("fbgemm" in torch.backends.quantized.supported_engines

@@ -2,7 +2,33 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
+
+
+def checked_once(check: Callable[[], bool]) -> Callable[[], bool]:
+    """``check()`` run on the first call only, its answer kept. Unlike ``functools.cache``,
+    ``torch.compile`` sees a kept answer as a constant (it traces through a cache's wrapper
+    and would run the check, or break the graph on it, in every compiled step), without
+    importing the compiler at import time as ``torch.compiler.assume_constant_result``
+    does (a second on start-up). Make the first call before compiling.
+
+    Example:
+        >>> calls = []
+        >>> ready = checked_once(lambda: calls.append(1) or True)
+        >>> ready(), ready(), len(calls)
+        (True, True, 1)
+    """
+    answer: list[bool] = []
+
+    @functools.wraps(check)
+    def once() -> bool:
+        if not answer:
+            answer.append(bool(check()))
+        return answer[0]
+    return once
 
 
 def fast_low_precision_matmul(dtype: torch.dtype, device: torch.device | str) -> bool:

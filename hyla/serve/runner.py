@@ -113,8 +113,26 @@ class Runner:
             self.buffers.append(layer)
             self.snapshots.append(snaps)
         self.compiled = compile
-        self._decode_fn = self._decode_impl
-        if compile:
+        self._compiled_fn = None
+        self._decode_fn = self._compiled_decode if compile else self._decode_impl
+        self.eager_until_built = eager_until_built
+        self.built_widths: set[int] = set()     # widths warmup has compiled (or captured)
+        self.num_compilations = 0      # graphs torch.compile built for decode
+        self.compile_time_s = 0.0      # wall time of the decode calls that compiled
+        self.graphs = None
+        if cuda_graphs:
+            if self.device.type != "cuda" and capture is None:
+                raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, "
+                                 f"got {self.device}")
+            from hyla.serve.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self._decode_fn, capture=capture)
+
+    def _compiled_decode(self, *args):
+        """:meth:`_decode_impl` through ``torch.compile``, set up on first use: importing
+        the compiler takes 2-3 s, which a server building its graphs in the background
+        spends after it is healthy, not before."""
+        if self._compiled_fn is None:
             from torch import _dynamo
 
             # Each decode shape is its own graph; the default limit (8) would fall back to
@@ -130,19 +148,8 @@ class Runner:
                 self._decode_impl, dynamic=False,
                 options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
             key = next(_RUNNER_KEYS)
-            self._decode_fn = lambda *args: compiled(*args, graph_key=key)
-        self.eager_until_built = eager_until_built
-        self.built_widths: set[int] = set()     # widths warmup has compiled (or captured)
-        self.num_compilations = 0      # graphs torch.compile built for decode
-        self.compile_time_s = 0.0      # wall time of the decode calls that compiled
-        self.graphs = None
-        if cuda_graphs:
-            if self.device.type != "cuda" and capture is None:
-                raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, "
-                                 f"got {self.device}")
-            from hyla.serve.cuda_graphs import DecodeGraphs
-
-            self.graphs = DecodeGraphs(self._decode_fn, capture=capture)
+            self._compiled_fn = lambda *a: compiled(*a, graph_key=key)
+        return self._compiled_fn(*args)
 
     @property
     def fixed_shapes(self) -> bool:
