@@ -42,7 +42,7 @@ class Context:
     token_offsets: torch.Tensor | None = None  #   goes to in a growing buffer
     logits_at: torch.Tensor | None = None      # rows to compute logits for (None: all)
     # decode, eager: a sequence's new row's (block, offset) and the row ranges of the
-    # flattened paged buffer holding its rows (hyla.serve.runner.kv_spans), so attention
+    # flattened paged buffer holding its rows (hyla.ops.paged_attention.kv_spans), so attention
     # reads them as views instead of gathering them
     kv_spans: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] | None = None
     # what every layer of one forward would compute alike (rotary tables), by the layer's key
@@ -99,7 +99,8 @@ class Context:
         """One token for each of B sequences: token b at ``positions[b]`` (the tokens its
         state already holds), state in row ``slots[b]``, blocks ``block_tables[b]`` [B, nb]
         (padded). Tensors only, so ``torch.compile`` traces it without graph breaks.
-        ``kv_spans`` (eager only): :attr:`kv_spans`, which :meth:`span_rows` reads."""
+        ``kv_spans`` (eager only): :attr:`kv_spans`, which attention reads the rows by
+        (:func:`hyla.ops.paged_attention.attend_spans`)."""
         rows = torch.arange(positions.shape[0], device=positions.device)
         blocks = block_tables[rows, positions // block_size] if block_tables.shape[1] else None
         return cls("decode", positions, None, buffers, slots=slots, slot_span=slot_span,
@@ -139,12 +140,6 @@ class Context:
         """Decode: every sequence's blocks, concatenated: [B, blocks * block_size, *shape]
         (rows past a sequence's length are padding: mask them by ``positions``)."""
         return buf[self.block_tables].flatten(1, 2)
-
-    def span_rows(self, buf: torch.Tensor, b: int) -> list[torch.Tensor]:
-        """Decode with :attr:`kv_spans`: sequence ``b``'s rows of a paged growing buffer as
-        views (no copy), [rows, *shape] each, together all its rows in no set order."""
-        flat = buf.flatten(0, 1)
-        return [flat[first:first + rows] for first, rows in self.kv_spans[b][2]]
 
 
 def _span(slots: list[int]) -> slice | None:

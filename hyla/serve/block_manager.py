@@ -63,7 +63,7 @@ class BlockManager:
 
         ``after``: the last block of the table these extend. The block after it is taken
         first when it is free (and so on), so a sequence's blocks tend to be consecutive and
-        decode reads them in place as one view (:meth:`hyla.model.Context.span_rows`);
+        decode reads them in place as one view (:func:`hyla.ops.paged_attention.attend_spans`);
         otherwise blocks come in reuse order.
 
         Example:
