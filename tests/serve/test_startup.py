@@ -80,25 +80,27 @@ def test_warm_up_sets_ready_and_leaves_no_request_in_the_metrics(engine):
     assert float(count[0].split()[-1]) == 0
 
 
-def test_failed_warm_up_ends_the_server_and_never_says_ready(engine, monkeypatch):
+def _warm_up_failing(engine, monkeypatch, message: str, **flags):
+    """Run the server's warm-up with ``engine.warmup`` raising ``message``: (ready, the
+    failures handed on, what it printed)."""
     ready, failed = threading.Event(), []
 
     def broken(*a, **k):
-        raise RuntimeError("no kernels")
+        raise RuntimeError(message)
     monkeypatch.setattr(engine.engine, "warmup", broken)
-    args = argparse.Namespace(compile=False, cuda_graphs=True)     # captured before ready
-    warm_up(engine, args, Console(quiet=True), ready, failed.append)
+    console = Console(record=True, width=200)
+    warm_up(engine, argparse.Namespace(**flags), console, ready, failed.append)
+    return ready, failed, console.export_text()
+
+
+def test_failed_warm_up_ends_the_server_and_never_says_ready(engine, monkeypatch):
+    ready, failed, _ = _warm_up_failing(engine, monkeypatch, "no kernels", compile=False,
+                                        cuda_graphs=True)      # captured before ready
     assert not ready.is_set() and "no kernels" in repr(failed[0])
 
 
 def test_compiling_fails_after_ready_and_the_server_stays_eager(engine, monkeypatch):
-    ready, failed = threading.Event(), []
-
-    def broken(*a, **k):
-        raise RuntimeError("no compiler")
-    monkeypatch.setattr(engine.engine, "warmup", broken)
-    args = argparse.Namespace(compile=True, cuda_graphs=False)     # built after ready
-    console = Console(record=True, width=200)
-    warm_up(engine, args, console, ready, failed.append)
+    ready, failed, printed = _warm_up_failing(engine, monkeypatch, "no compiler", compile=True,
+                                              cuda_graphs=False)   # built after ready
     assert ready.is_set() and not failed
-    assert "no compiler" in console.export_text()
+    assert "no compiler" in printed

@@ -289,14 +289,14 @@ class AttentionMixer(Mixer):
             # every row of its sequence is visible to the query: read them in place, as
             # views the engine worked out (eager), or inside one op when compiled (the graph
             # then does not depend on the block tables' length: one for every context)
+            keys, values = buf["keys"], buf["values"]
             if ctx.kv_spans is not None:
-                return self._output(attend_spans(q, buf["keys"], buf["values"], ctx.kv_spans),
-                                    gate)
-            if torch.compiler.is_compiling():
-                return self._output(paged_decode_attention(
-                    q, buf["keys"], buf["values"], ctx.block_tables, positions), gate)
-            return self._output(attend_gathered(q, buf["keys"], buf["values"],
-                                                ctx.block_tables, positions), gate)
+                o = attend_spans(q, keys, values, ctx.kv_spans)
+            elif torch.compiler.is_compiling():
+                o = paged_decode_attention(q, keys, values, ctx.block_tables, positions)
+            else:                                               # wide batches
+                o = attend_gathered(q, keys, values, ctx.block_tables, positions)
+            return self._output(o, gate)
         if window is None:
             keys = ctx.batch_rows(buf["keys"]).to(q.dtype)      # [B, blocks * bs, Hkv, D]
             values = ctx.batch_rows(buf["values"]).to(q.dtype)
