@@ -315,7 +315,7 @@ class Runner:
         pad = rows - B
         longest = max((len(t) for t in block_tables), default=0)
         if fixed:       # compiled: at least 2 (mark_dynamic below)
-            longest = _pow2(max(longest, 2 if self.compiled else 1))
+            longest = max(longest, 2) if self.compiled else _pow2(longest)
         nb = longest if self.has_growing else 0
         tables = torch.full((rows, nb), self.pad_block, dtype=torch.long)
         for b, t in enumerate(block_tables if nb else ()):

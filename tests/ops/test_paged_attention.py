@@ -1,5 +1,6 @@
 """Decode attention over paged KV blocks: read in place per sequence (attend_spans), gathered
-for wide batches (attend_gathered), and as one op torch.compile keeps whole, all against
+for wide batches (attend_gathered), as the products and sums a compiled wide batch fuses
+(attend_fused), and as one op torch.compile keeps whole, all against
 SDPA over each sequence's rows gathered by hand; blocks in any order, GQA, a bf16 cache.
 
 Compiled, the op is tested in tests/serve/test_compiled_decode.py (one graph for every
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 from hyla.ops.paged_attention import (
     SPAN_MAX_BATCH,
+    attend_fused,
     attend_gathered,
     attend_spans,
     kv_spans,
@@ -53,6 +55,7 @@ def test_spans_gathered_and_the_op_give_sdpa_over_each_sequences_rows(dtype, tol
     spans = kv_spans(tables.tolist(), positions.tolist(), BS)
     for got in (attend_spans(q, keys, values, spans),
                 attend_gathered(q, keys, values, tables, positions),
+                attend_fused(q, keys, values, tables, positions),
                 paged_decode_attention(q, keys, values, tables, positions)):
         assert got.dtype == q.dtype and got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)

@@ -1,5 +1,6 @@
 """Compiled decode: one graph a batch width serves every context length (attention reads the
-paged cache in place through ``hyla::paged_decode_attention``), quantised layers trace
+paged cache in place, through ``hyla::paged_decode_attention`` or, for wide batches, fused
+products), quantised layers trace
 without graph breaks, and with ``eager_until_built`` a width runs eagerly until a warm-up on
 another thread has built its graph (what ``hyla serve --compile`` does)."""
 
@@ -14,6 +15,7 @@ from torch._dynamo.utils import counters
 
 from hyla.model import HylaLM, preset
 from hyla.model.quantize import prepare_copies, quantize_model
+from hyla.ops.paged_attention import SPAN_MAX_BATCH
 from hyla.serve.runner import Runner
 
 PROMPTS = [[1, 2, 3], list(range(5, 42))]      # 1 and 3 blocks of 16: tables padded to 2, 4
@@ -44,6 +46,29 @@ def test_one_graph_serves_every_context_length_and_matches_eager(model):
     eager = _run(Runner(model, max_num_seqs=2, num_kv_blocks=10))
     compiled = Runner(model, max_num_seqs=2, num_kv_blocks=10, compile=True)
     got = _run(compiled)         # contexts 3 .. 67 tokens: tables of 2 and 4 blocks
+    assert compiled.num_compilations == 1
+    torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_a_wide_batch_compiles_once_and_matches_eager(model):
+    width = SPAN_MAX_BATCH + 2                 # wide: attention through attend_fused
+    tables = [list(range(5 * b, 5 * b + 5)) for b in range(width)]
+    prompts = [list(range(1 + b, 4 + 7 * b)) for b in range(width)]     # 3 to 66 tokens
+
+    def run(runner: Runner) -> torch.Tensor:
+        runner.prefill([(b, p, 0, tables[b]) for b, p in enumerate(prompts)])
+        pos, out = [len(p) for p in prompts], []
+        for i in range(12):
+            # the last few sequences join late and leave early: padding rows in between
+            live = list(range(width - 3)) if 4 <= i < 8 else list(range(width))
+            out.append(runner.decode(live, [10 + i + b for b in live], [pos[b] for b in live],
+                                     [tables[b] for b in live], width=width)[:width - 3])
+            pos = [p + (b in live) for b, p in enumerate(pos)]
+        return torch.stack(out)
+
+    eager = run(Runner(model, max_num_seqs=width, num_kv_blocks=5 * width))
+    compiled = Runner(model, max_num_seqs=width, num_kv_blocks=5 * width, compile=True)
+    got = run(compiled)
     assert compiled.num_compilations == 1
     torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
 

@@ -20,7 +20,7 @@ from hyla.ops.attention import (
     window_mask,
     with_sinks,
 )
-from hyla.ops.paged_attention import attend_gathered, attend_spans, paged_decode_attention
+from hyla.ops.paged_attention import attend_compiled, attend_gathered, attend_spans
 
 
 @dataclass(frozen=True)
@@ -293,7 +293,7 @@ class AttentionMixer(Mixer):
             if ctx.kv_spans is not None:
                 o = attend_spans(q, keys, values, ctx.kv_spans)
             elif torch.compiler.is_compiling():
-                o = paged_decode_attention(q, keys, values, ctx.block_tables, positions)
+                o = attend_compiled(q, keys, values, ctx.block_tables, positions)
             else:                                               # wide batches
                 o = attend_gathered(q, keys, values, ctx.block_tables, positions)
             return self._output(o, gate)
