@@ -7,11 +7,11 @@ keys, values) paged as ``[num_kv_blocks + 1, block_size, *row]`` (the last block
 padding). Sequences are addressed by their slot and block table, which the (pure-Python)
 scheduler hands out; a :class:`~hyla.model.context.Context` hands the buffers to the model.
 
-Decode runs at a fixed set of batch widths (and of block-table lengths, powers of two), so
-``torch.compile`` sees a closed set of shapes; ``num_compilations`` counts the graphs it
-built. The block tables' length is symbolic in those graphs (attention reads the paged
-cache in place, :mod:`hyla.ops.paged_attention`), so there is one graph a width. On CUDA,
-``cuda_graphs=True`` also captures each of those shapes as a CUDA graph
+Decode runs at a fixed set of batch widths, so ``torch.compile`` sees a closed set of
+shapes; ``num_compilations`` counts the graphs it built. The block tables' length is
+symbolic in those graphs (attention reads the paged cache in place,
+:mod:`hyla.ops.paged_attention`), so there is one graph a width. On CUDA,
+``cuda_graphs=True`` also captures each shape (tables padded to powers of two) as a CUDA graph
 (:mod:`hyla.serve.cuda_graphs`; ``num_captures`` counts them) and decode replays it.
 """
 
@@ -298,10 +298,10 @@ class Runner:
         """One token for each of B sequences.
 
         ``positions[b]`` is the token's position (tokens already in the state). Compiled,
-        the batch is padded to ``width`` rows and the block tables to a power-of-two
-        length (at least 2), so the graph sees only those shapes (torch.compile: the
-        tables' length is symbolic, one graph a width); eager, it runs the B rows as they
-        are (padding would only cost time). Returns logits [B, vocab] (fp32).
+        the batch is padded to ``width`` rows and the block tables to the longest one (at
+        least 2: the tables' length is symbolic, one graph a width); captured as CUDA
+        graphs, the tables to a power-of-two length; eager, it runs the B rows as they are
+        (padding would only cost time). Returns logits [B, vocab] (fp32).
         """
         return self._decode(slots, tokens, positions, block_tables, width,
                             self.runs_graph(width))
@@ -314,7 +314,7 @@ class Runner:
         rows = width if fixed else B
         pad = rows - B
         longest = max((len(t) for t in block_tables), default=0)
-        if fixed:       # compiled: at least 2 (mark_dynamic below)
+        if fixed:       # compiled: at least 2 (mark_dynamic below); CUDA graphs: powers of 2
             longest = max(longest, 2) if self.compiled else _pow2(longest)
         nb = longest if self.has_growing else 0
         tables = torch.full((rows, nb), self.pad_block, dtype=torch.long)
@@ -359,9 +359,10 @@ class Runner:
         return logits
 
     def warmup(self, widths: tuple[int, ...], max_blocks: int = 0) -> int:
-        """Build every decode graph up front: each width x each power-of-two block-table
-        length up to ``max_blocks``. Writes only to the padding slot and block. Returns
-        the number of graphs compiled."""
+        """Build every decode graph up front: each width (x each power-of-two block-table
+        length up to ``max_blocks``, which compiled graphs share and CUDA graphs capture
+        one by one). Writes only to the padding slot and block. Returns the number of
+        graphs compiled."""
         before = self.num_compilations
         nbs = [0]
         if self.has_growing:
