@@ -1,0 +1,129 @@
+"""How many bits fbgemm's int8 products need on the activations (hyla.model.vnni_int8).
+
+The products quantise each activation row to 8 bits and add a residual row (16 bits in all),
+which doubles their work: about 60% of a 16-wide SmolLM2 decode step. Measured here on
+SmolLM2-135M int4, 16 held-out documents x 128 tokens decoded together (eager, one thread),
+teacher-forced: decode-path perplexity and tokens/s for
+
+- ``16-bit``: a row and its residual (hyla's default);
+- ``8-bit``: the row alone (``VnniInt8Matmul(residual=False)``);
+- ``8-bit rotated``: the row alone after an orthogonal rotation that spreads outlier
+  channels (random signs, then Hadamard blocks of 64, QuaRot-style); the weight is rotated
+  alike before its int8 quantisation, so the product is unchanged but for rounding. The
+  rotation here is this script's, not hyla's.
+
+    python benchmarks/activation_bits.py [--rounds 1]
+
+Writes benchmarks/results/activation_bits.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+from hyla.model import quantize as Q
+from hyla.model.load import load_model
+from hyla.model.quantize import prepare_copies
+from hyla.model.vnni_int8 import VnniInt8Matmul, per_row_int8, vnni_int8_available
+from hyla.perf import machine_info
+from hyla.serve.runner import Runner
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from vnni_int8 import DOCS, TOKENS, documents  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).parent / "results" / "activation_bits.json"
+BLOCK = 64
+
+
+def hadamard(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / math.sqrt(n)
+
+
+class Rotated:
+    """x W^T = (x R)(W R)^T for R orthogonal (random signs, then Hadamard blocks of BLOCK
+    along the input), with x R quantised to 8 bits."""
+
+    def __init__(self, weight: torch.Tensor, generator: torch.Generator):
+        k = weight.shape[1]
+        self.signs = torch.randint(0, 2, (k,), generator=generator).float() * 2 - 1
+        self.h = hadamard(BLOCK)
+        self.product = VnniInt8Matmul(*per_row_int8(self.rotate(weight)), residual=False)
+
+    def rotate(self, rows: torch.Tensor) -> torch.Tensor:
+        return ((rows.float() * self.signs).view(len(rows), -1, BLOCK) @ self.h).flatten(1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(self.rotate(x))
+
+
+def decode_together(model, docs) -> tuple[float, float]:
+    """(perplexity, tokens/s) of ``docs`` decoded together, teacher-forced."""
+    blocks = TOKENS // 16 + 2
+    runner = Runner(model, max_num_seqs=DOCS, num_kv_blocks=DOCS * blocks + 1,
+                    kv_dtype=torch.bfloat16)
+    tables = [list(range(j * blocks, (j + 1) * blocks)) for j in range(DOCS)]
+    for j, doc in enumerate(docs):
+        runner.prefill([(j, doc[:1], 0, tables[j])])
+    nll, steps = 0.0, []
+    for i in range(1, TOKENS + 1):
+        start = time.perf_counter()
+        logits = runner.decode(list(range(DOCS)), [d[i] for d in docs], [i] * DOCS, tables,
+                               width=DOCS)
+        steps.append(time.perf_counter() - start)
+        logp = logits.log_softmax(-1)
+        nll -= sum(logp[j, d[i + 1]].item() for j, d in enumerate(docs))
+    return math.exp(nll / (DOCS * TOKENS)), DOCS / statistics.median(steps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds")
+    args = parser.parse_args()
+    if not vnni_int8_available():
+        raise SystemExit("this CPU has no AVX512-VNNI (or torch no fbgemm): nothing to compare")
+    torch.set_num_threads(1)
+    model, tokenizer = load_model("smollm2")
+    Q.quantize_model(model, "int4")
+    prepare_copies(model)
+    docs = documents(tokenizer)
+    layers = [m for m in model.modules() if isinstance(m, Q.WeightOnlyLinear)]
+    g = torch.Generator().manual_seed(0)
+    products = {"16-bit": {}, "8-bit": {}, "8-bit rotated": {}}
+    for m in layers:
+        w = m.dequantized()
+        products["16-bit"][m] = m.vnni_matmul()
+        products["8-bit"][m] = VnniInt8Matmul(*m.int8_rows(), residual=False)
+        products["8-bit rotated"][m] = (Rotated(w, g) if w.shape[1] % BLOCK == 0
+                                        else m.vnni_matmul())
+    runs: dict[str, list] = {mode: [] for mode in products}
+    for r in range(args.rounds):
+        for mode in list(products) if r % 2 == 0 else list(products)[::-1]:
+            for m in layers:
+                m.__dict__["_vnni"] = products[mode][m]
+            runs[mode].append(decode_together(model, docs))
+            print(f"round {r + 1} {mode}: perplexity {runs[mode][-1][0]:.4f}, "
+                  f"{runs[mode][-1][1]:.1f} tok/s", flush=True)
+    summary = {mode: {"perplexity": v[0][0], "tok_s": statistics.median(x[1] for x in v)}
+               for mode, v in runs.items()}
+    print(json.dumps(summary))
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({"machine": machine_info(), "threads": 1,
+                                   "load": os.getloadavg(), "rounds": args.rounds,
+                                   "documents": DOCS, "tokens": TOKENS, "median": summary,
+                                   "runs": runs}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
