@@ -26,7 +26,6 @@ import os
 import pathlib
 import statistics
 import sys
-import time
 
 import torch
 
@@ -35,10 +34,9 @@ from hyla.model.load import load_model
 from hyla.model.quantize import prepare_copies
 from hyla.model.vnni_int8 import VnniInt8Matmul, per_row_int8, vnni_int8_available
 from hyla.perf import machine_info
-from hyla.serve.runner import Runner
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from vnni_int8 import DOCS, TOKENS, documents  # noqa: E402
+from vnni_int8 import DOCS, TOKENS, decode_together, documents  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "activation_bits.json"
 BLOCK = 64
@@ -66,25 +64,6 @@ class Rotated:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(self.rotate(x))
-
-
-def decode_together(model, docs) -> tuple[float, float]:
-    """(perplexity, tokens/s) of ``docs`` decoded together, teacher-forced."""
-    blocks = TOKENS // 16 + 2
-    runner = Runner(model, max_num_seqs=DOCS, num_kv_blocks=DOCS * blocks + 1,
-                    kv_dtype=torch.bfloat16)
-    tables = [list(range(j * blocks, (j + 1) * blocks)) for j in range(DOCS)]
-    for j, doc in enumerate(docs):
-        runner.prefill([(j, doc[:1], 0, tables[j])])
-    nll, steps = 0.0, []
-    for i in range(1, TOKENS + 1):
-        start = time.perf_counter()
-        logits = runner.decode(list(range(DOCS)), [d[i] for d in docs], [i] * DOCS, tables,
-                               width=DOCS)
-        steps.append(time.perf_counter() - start)
-        logp = logits.log_softmax(-1)
-        nll -= sum(logp[j, d[i + 1]].item() for j, d in enumerate(docs))
-    return math.exp(nll / (DOCS * TOKENS)), DOCS / statistics.median(steps)
 
 
 def main() -> None:

@@ -359,13 +359,15 @@ class Runner:
         return logits
 
     def warmup(self, widths: tuple[int, ...], max_blocks: int = 0) -> int:
-        """Build every decode graph up front: each width (x each power-of-two block-table
-        length up to ``max_blocks``, which compiled graphs share and CUDA graphs capture
-        one by one). Writes only to the padding slot and block. Returns the number of
-        graphs compiled."""
+        """Build every decode graph up front: each width (captured as CUDA graphs, x each
+        power-of-two block-table length up to ``max_blocks``; compiled graphs serve every
+        length, so one call a width builds them). Writes only to the padding slot and
+        block. Returns the number of graphs compiled."""
         before = self.num_compilations
         nbs = [0]
-        if self.has_growing:
+        if self.has_growing and self.graphs is None:
+            nbs = [2]
+        elif self.has_growing:
             nbs = [1 << i for i in range(max(1, max_blocks).bit_length())]
             if nbs[-1] < max_blocks:
                 nbs.append(nbs[-1] * 2)
