@@ -9,8 +9,8 @@ teacher-forced: decode-path perplexity and tokens/s for
 - ``8-bit``: the row alone (``VnniInt8Matmul(residual=False)``);
 - ``8-bit rotated``: the row alone after an orthogonal rotation that spreads outlier
   channels (random signs, then Hadamard blocks of 64, QuaRot-style); the weight is rotated
-  alike before its int8 quantisation, so the product is unchanged but for rounding. The
-  rotation here is this script's, not hyla's.
+  alike before its int8 quantisation, so the product is unchanged but for rounding
+  (``VnniInt8Matmul.eight_bit``: what ``--quantize int4-a8`` runs).
 
     python benchmarks/activation_bits.py [--rounds 1]
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import pathlib
 import statistics
@@ -32,38 +31,13 @@ import torch
 from hyla.model import quantize as Q
 from hyla.model.load import load_model
 from hyla.model.quantize import prepare_copies
-from hyla.model.vnni_int8 import VnniInt8Matmul, per_row_int8, vnni_int8_available
+from hyla.model.vnni_int8 import VnniInt8Matmul, vnni_int8_available
 from hyla.perf import machine_info
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from vnni_int8 import DOCS, TOKENS, decode_together, documents  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "activation_bits.json"
-BLOCK = 64
-
-
-def hadamard(n: int) -> torch.Tensor:
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return h / math.sqrt(n)
-
-
-class Rotated:
-    """x W^T = (x R)(W R)^T for R orthogonal (random signs, then Hadamard blocks of BLOCK
-    along the input), with x R quantised to 8 bits."""
-
-    def __init__(self, weight: torch.Tensor, generator: torch.Generator):
-        k = weight.shape[1]
-        self.signs = torch.randint(0, 2, (k,), generator=generator).float() * 2 - 1
-        self.h = hadamard(BLOCK)
-        self.product = VnniInt8Matmul(*per_row_int8(self.rotate(weight)), residual=False)
-
-    def rotate(self, rows: torch.Tensor) -> torch.Tensor:
-        return ((rows.float() * self.signs).view(len(rows), -1, BLOCK) @ self.h).flatten(1)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.product(self.rotate(x))
 
 
 def main() -> None:
@@ -78,14 +52,12 @@ def main() -> None:
     prepare_copies(model)
     docs = documents(tokenizer)
     layers = [m for m in model.modules() if isinstance(m, Q.WeightOnlyLinear)]
-    g = torch.Generator().manual_seed(0)
     products = {"16-bit": {}, "8-bit": {}, "8-bit rotated": {}}
     for m in layers:
         w = m.dequantized()
         products["16-bit"][m] = m.vnni_matmul()
         products["8-bit"][m] = VnniInt8Matmul(*m.int8_rows(), residual=False)
-        products["8-bit rotated"][m] = (Rotated(w, g) if w.shape[1] % BLOCK == 0
-                                        else m.vnni_matmul())
+        products["8-bit rotated"][m] = VnniInt8Matmul.eight_bit(w)
     runs: dict[str, list] = {mode: [] for mode in products}
     for r in range(args.rounds):
         for mode in list(products) if r % 2 == 0 else list(products)[::-1]:

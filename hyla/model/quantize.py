@@ -46,7 +46,9 @@ from hyla.model.vnni_int8 import VnniInt8Matmul, per_row_int8, vnni_int8_availab
 from hyla.ops.hardware import checked_once
 from hyla.perf import release_freed_memory
 
-SCHEMES = ("none", "int8", "int4")
+# "-a8": where fbgemm's int8 products run (decode batches), 8-bit rotated activations
+# instead of 16-bit ones (WeightOnlyLinear.activation_bits)
+SCHEMES = ("none", "int8", "int4", "int8-a8", "int4-a8")
 INT4_GROUP = 32
 # torch's packed kernels are matrix-vector products: their time grows with every row. Past a
 # few rows a dense GEMM on the dequantised weight is faster. Where bf16 GEMMs are fast (AMX,
@@ -90,6 +92,9 @@ class WeightOnlyLinear(nn.Module):
     # over where VNNI runs them: the output layer from one (set at quantisation), the others
     # from two (their own kernel is as fast for one row, and needs no int8 copy).
     vnni_min_rows = 2
+    # The activations' bits in those products: 16 (a row and its residual) or 8 (rotated
+    # first, half the work: VnniInt8Matmul.eight_bit), set by quantize_model's "-a8" schemes.
+    activation_bits = 16
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -108,7 +113,9 @@ class WeightOnlyLinear(nn.Module):
         """fbgemm's packed int8 copy of the weight."""
         vnni = self.__dict__.get("_vnni")
         if vnni is None:
-            vnni = self.__dict__["_vnni"] = VnniInt8Matmul(*self.int8_rows())
+            vnni = self.__dict__["_vnni"] = (
+                VnniInt8Matmul.eight_bit(self.dequantized()) if self.activation_bits == 8
+                else VnniInt8Matmul(*self.int8_rows()))
         return vnni
 
     def dense_bf16(self) -> torch.Tensor:
@@ -332,7 +339,8 @@ def _tensor_bytes(module: nn.Module) -> int:
 
 def quantize_model(model: nn.Module, scheme: str, *, group: int = INT4_GROUP) -> QuantReport:
     """Replace ``model``'s linear layers (and its embedding) in place by weight-only
-    quantised ones. ``scheme``: ``none`` (nothing happens), ``int8`` or ``int4``.
+    quantised ones. ``scheme``: ``none`` (nothing happens), ``int8`` or ``int4``; with
+    ``-a8`` (``int4-a8``), decode batches' products take 8-bit rotated activations.
 
     Raises ValueError naming the scheme for an unknown scheme or a device without kernels.
     """
@@ -341,9 +349,14 @@ def quantize_model(model: nn.Module, scheme: str, *, group: int = INT4_GROUP) ->
     before = _tensor_bytes(model)
     if scheme == "none":
         return QuantReport(scheme, 0, 0, before, before)
+    weights, eight_bit = scheme.removesuffix("-a8"), scheme.endswith("-a8")
     first = next(model.parameters(), None)
     if first is not None:
         _check_device(scheme, first.device)
+    if eight_bit and not vnni_int8_available():
+        raise ValueError(f"--quantize {scheme}: 8-bit activations run through fbgemm's int8 "
+                         f"x int8 products, which need AVX512-VNNI, and this CPU (or torch "
+                         f"build) has none; use --quantize {weights}")
     if model.training:
         model.eval()
     def make(weight: torch.Tensor, bias: torch.Tensor | None, name: str = "") -> nn.Module:
@@ -358,7 +371,7 @@ def quantize_model(model: nn.Module, scheme: str, *, group: int = INT4_GROUP) ->
                 head.vnni_min_rows = 1
                 return head
             return Int8GroupLinear(weight, bias, group) if fits else Int8Linear(weight, bias)
-        if scheme == "int4" and fits:
+        if weights == "int4" and fits:
             return Int4Linear(weight, bias, group)
         return Int8Linear(weight, bias)
 
@@ -375,6 +388,10 @@ def quantize_model(model: nn.Module, scheme: str, *, group: int = INT4_GROUP) ->
             elif isinstance(child, nn.Embedding):
                 setattr(parent, name, Int8Embedding(child.weight))
     int4 = sum(isinstance(m, Int4Linear) for m in model.modules())
+    if eight_bit:
+        for m in model.modules():
+            if isinstance(m, WeightOnlyLinear):
+                m.activation_bits = 8
     model.requires_grad_(False)
     model.quantized = scheme  # what checkpoint writers and trainers check before they run
     release_freed_memory()    # the float weights just dropped: give their pages back

@@ -92,3 +92,61 @@ def test_without_vnni_the_weight_only_kernels_stay(monkeypatch):
     out = model(ids)
     assert torch.isfinite(out).all()
     assert not any("_vnni" in m.__dict__ for m in model.modules())
+
+
+@needs_vnni
+def test_8_bit_activations_need_the_rotation_on_outlier_channels():
+    # one row alone (no residual) is 8-bit: an outlier channel leaves the others few levels;
+    # rotated first (the weight alike), the error falls back near the 16-bit one's
+    torch.manual_seed(0)
+    w = torch.randn(256, 128)
+    x = _rows_with_outliers(6, 128)
+    want = x @ w.T
+    err = {name: ((mm(x) - want).norm() / want.norm()).item() for name, mm in [
+        ("16", VnniInt8Matmul(*per_row_int8(w))),
+        ("8", VnniInt8Matmul(*per_row_int8(w), residual=False)),
+        ("8 rotated", VnniInt8Matmul.eight_bit(w))]}
+    assert err["16"] < err["8 rotated"] < 0.75 * err["8"], err     # 0.5-0.7 over seeds
+    assert err["8 rotated"] < 0.03, err
+    # still one row's own range: a row's result does not depend on its batch
+    mm = VnniInt8Matmul.eight_bit(w)
+    assert torch.allclose(mm(x[2:3]), mm(x)[2:3], rtol=1e-5, atol=1e-4)
+
+
+@needs_vnni
+def test_eight_bit_keeps_16_bits_where_the_rotation_does_not_fit():
+    w = torch.randn(64, 96)                     # 96 is not a multiple of the 64-wide block
+    mm = VnniInt8Matmul.eight_bit(w)
+    assert mm.residual and mm.rotation is None
+
+
+@needs_vnni
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_a8_schemes_decode_batches_through_rotated_8_bit_products(weights):
+    torch.manual_seed(0)
+    model = HylaLM(preset("debug")).eval()
+    ids = torch.randint(0, 256, (2, 9))
+    ref = HylaLM(preset("debug")).eval()
+    ref.load_state_dict(model.state_dict())
+    Q.quantize_model(ref, weights)
+    Q.quantize_model(model, f"{weights}-a8")
+    assert model.quantized == f"{weights}-a8"
+    logits, want = [], []
+    for m, out in [(model, logits), (ref, want)]:
+        states = [m.new_state(), m.new_state()]
+        for s, row in zip(states, ids, strict=True):
+            m.prefill(row[:8], s)
+        out.append(m.decode(ids[:, 8], states))      # two rows: fbgemm's products
+    layers = [m for m in model.modules() if isinstance(m, Q.WeightOnlyLinear)]
+    assert all(m.activation_bits == 8 for m in layers)
+    rotated = [m for m in layers if m.__dict__["_vnni"].rotation is not None]
+    assert rotated and all(not m.__dict__["_vnni"].residual for m in rotated)
+    # the same model's logits but for 8 bits of activations
+    assert (logits[0] - want[0]).norm() < 0.05 * want[0].norm()
+    assert not (logits[0] == want[0]).all()
+
+
+def test_a8_without_vnni_is_refused_naming_the_scheme(monkeypatch):
+    monkeypatch.setattr(Q, "vnni_int8_available", lambda: False)
+    with pytest.raises(ValueError, match="int4-a8.*AVX512-VNNI.*--quantize int4"):
+        Q.quantize_model(HylaLM(preset("debug")).eval(), "int4-a8")
