@@ -13,7 +13,8 @@ run one at a time, in alternating rounds, and each row is the median over rounds
 - long context (`--student DIR` adds a distilled student): decode tok/s of one request after
   4K and 16K tokens of prompt, for the teacher in llama.cpp and in hyla (and the student).
 
-    python benchmarks/vs_llamacpp.py [--rounds 3] [--quantize int4] [--compile] [--student DIR]
+    python benchmarks/vs_llamacpp.py [--rounds 3] [--quantize int4 [int4-a8]] [--compile]
+        [--student DIR]
     python benchmarks/vs_llamacpp.py --long-only --student runs/smollm2-hybrid
 
 Writes benchmarks/results/vs_llamacpp.json. A benchmark, not a test: it compiles llama.cpp
@@ -88,7 +89,7 @@ def start(kind: str, gguf: pathlib.Path, port: int, args) -> tuple[subprocess.Po
                "--host", "127.0.0.1", "--port", str(port), "-np", "16", "-c", str(16 * 2048)]
     else:
         cmd = [sys.executable, "-m", "hyla", "serve", "--checkpoint", str(gguf), "--threads", "1",
-               "--port", str(port), "--quantize", args.quantize, "--max-num-seqs", "16",
+               "--port", str(port), "--quantize", kind.split()[1], "--max-num-seqs", "16",
                "--log-level", "warning", *(["--compile"] if args.compile else [])]
     return launch(kind, cmd, env, port)
 
@@ -158,7 +159,7 @@ def one_round(kind: str, gguf: pathlib.Path, args) -> dict:
     url = f"http://127.0.0.1:{port}"
     try:
         row = {"startup_s": startup, "rss_loaded_mb": rss_mb(proc.pid)}
-        if kind == "hyla" and args.compile:
+        if kind != "llama.cpp" and args.compile:
             row["compiled_s"] = wait_compiled(port, began, list(decode_widths(16)))
         MODEL[url] = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         stream_times(url, "Hello", 4)                                      # warm up
@@ -204,7 +205,7 @@ def start_long(kind: str, source: str, port: int, args) -> subprocess.Popen:
         # cache, and half the bytes is about half the time (hyla/ops/attention.py)
         cmd = [sys.executable, "-m", "hyla", "serve", "--checkpoint", source, "--threads", "1",
                "--port", str(port), "--max-num-seqs", "1", "--max-model-len", ctx,
-               "--log-level", "warning", "--quantize", args.quantize,
+               "--log-level", "warning", "--quantize", args.quantize[0],
                "--kv-cache-dtype", "bfloat16", *(["--compile"] if args.compile else [])]
     began = time.perf_counter()
     proc = launch(kind, cmd, env, port)[0]
@@ -234,7 +235,9 @@ def long_context_row(kind: str, source: str, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
-    parser.add_argument("--quantize", default="int4", help="hyla's --quantize (default int4)")
+    parser.add_argument("--quantize", nargs="+", default=["int4"],
+                        help="hyla's --quantize: one hyla server per scheme in each round "
+                             "(the long-context rows take the first; default int4)")
     parser.add_argument("--compile", action="store_true",
                         help="hyla serve --compile; its rows are measured once every decode "
                              "width is compiled (start-up stays the time to a healthy server, "
@@ -255,7 +258,7 @@ def main() -> None:
         raise SystemExit("building llama.cpp needs cmake and a C++ compiler")
     gguf = resolve_name("smollm2")   # ValueError says how to install it
     earlier = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
-    runs: dict[str, list[dict]] = {"llama.cpp": [], "hyla": []}
+    runs: dict[str, list[dict]] = {"llama.cpp": [], **{f"hyla {q}": [] for q in args.quantize}}
     if args.long_only:
         args.rounds = 0
     for r in range(args.rounds):
@@ -266,13 +269,16 @@ def main() -> None:
             "rss_after_mb", "startup_s")
     med = {k: {key: statistics.median(x[key] for x in v) for key in keys}
            for k, v in runs.items() if v}
+    hylas = [k for k in med if k != "llama.cpp"]
     if med and args.compile:
-        med["hyla"]["compiled_s"] = statistics.median(x["compiled_s"] for x in runs["hyla"])
+        for k in hylas:
+            med[k]["compiled_s"] = statistics.median(x["compiled_s"] for x in runs[k])
     if med:
-        print(f"\n{'':22} {'llama.cpp':>10} {'hyla':>10} {'hyla/llama':>11}")
+        print(f"\n{'':22} {'llama.cpp':>10}" + "".join(f" {k:>16} {'/ llama':>8}" for k in hylas))
         for key in keys:
-            a, b = med["llama.cpp"][key], med["hyla"][key]
-            print(f"{key:22} {a:10.2f} {b:10.2f} {b / a:10.2f}x")
+            a = med["llama.cpp"][key]
+            print(f"{key:22} {a:10.2f}" + "".join(
+                f" {med[k][key]:16.2f} {med[k][key] / a:7.2f}x" for k in hylas))
     # Long context: one request at 4K and 16K tokens of context; where the constant-size
     # state should show (the teacher's attention reads its whole KV cache every token).
     contenders = [("llama.cpp teacher", "llama.cpp", str(gguf)),
