@@ -73,3 +73,34 @@ def test_serve_logs_the_kv_reservation_and_refuses_too_small_a_budget(monkeypatc
                  "1000", "--port", "18431"]) == 2
     err = capsys.readouterr().err
     assert "--kv-cache-memory 1000" in err and "at least" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("kind, scheme", [("Q4_1", "int4"), ("Q4_0", "int4"), ("Q8_0", "int8"),
+                                          ("F16", "none")])
+def test_auto_takes_the_scheme_nearest_a_gguf_files_own(tmp_path, capsys, kind, scheme):
+    gguf = pytest.importorskip("gguf")
+    from rich.console import Console
+
+    from hyla.cli.model_flags import apply_quantize, resolve_quantize
+    from hyla.model.load import load_model
+    from tests.model.formats.test_gguf_direct import write_tiny_llama
+
+    path = tmp_path / f"tiny-{kind}.gguf"
+    write_tiny_llama(path, kinds=[getattr(gguf.GGMLQuantizationType, kind)])
+    model, _ = load_model(path)
+    assert model.source_quantization == (kind, scheme)
+    assert resolve_quantize(model, "int8") == ("int8", "")        # a named scheme is kept
+    apply_quantize(model, type("A", (), {"quantize": "auto"})(), Console(file=io.StringIO()))
+    assert getattr(model, "quantized", "none") == scheme
+    if scheme != "none":
+        # off the CPU, auto keeps the float weights and says why (an explicit scheme errs)
+        fresh, _ = load_model(path)
+        got, why = resolve_quantize(fresh.to("meta"), "auto")
+        assert got == "none" and kind in why and "CPU only" in why
+
+
+def test_auto_leaves_a_float_checkpoint_float(capsys, checkpoint):
+    path, data = checkpoint
+    assert main(["eval", "ppl", "--checkpoint", str(path), "--data", str(data), "--seq-len",
+                 "64", "--max-tokens", "128"]) == 0
+    assert "quantised" not in capsys.readouterr().out

@@ -127,7 +127,7 @@ def cmd_eval_recall(args: argparse.Namespace, out: Console) -> int:
 
     if args.checkpoint is not None:
         return cmd_text_recall(args, out)
-    if args.quantize != "none":
+    if args.quantize not in ("none", "auto"):
         raise ValueError(f"--quantize {args.quantize}: the synthetic recall sweep trains its "
                          "models, and quantised weights are for inference only; use it with "
                          "--checkpoint")

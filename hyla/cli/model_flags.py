@@ -20,20 +20,39 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 def add_quantize(p: argparse.ArgumentParser) -> None:
     from hyla.model.quantize import SCHEMES
 
-    p.add_argument("--quantize", choices=SCHEMES, default="none",
+    p.add_argument("--quantize", choices=("auto", *SCHEMES), default="auto",
                    help="keep the weights quantised in memory and compute with weight-only "
                         "int8 (per channel) or int4 (groups of 32, the output layer int8) "
                         "matmuls; '-a8': decode batches multiply 8-bit rotated activations "
-                        "(faster, about +0.3%% perplexity; needs AVX512-VNNI); CPU only "
-                        "(default: %(default)s)")
+                        "(faster, about +0.1%% perplexity; needs AVX512-VNNI); CPU only. "
+                        "auto (the default): a GGUF file's own quantisation mapped to the "
+                        "nearest scheme (Q4_* -> int4, Q8_0 -> int8) on a CPU, else none")
+
+
+def resolve_quantize(model, scheme: str) -> tuple[str, str]:
+    """(the scheme ``--quantize scheme`` means for ``model``, why, for ``auto``): ``auto`` is
+    the scheme nearest a GGUF file's own weights (``model.source_quantization``, set by the
+    GGUF loader) where the model is on a CPU, else ``none``."""
+    if scheme != "auto":
+        return scheme, ""
+    kind, nearest = getattr(model, "source_quantization", ("", "none"))
+    if nearest == "none":
+        return "none", ""
+    first = next(model.parameters(), None)
+    if first is not None and first.device.type != "cpu":
+        return "none", (f"--quantize auto: the file's {kind} weights kept in float on "
+                        f"{first.device.type} (the quantised kernels are CPU only)")
+    return nearest, f"--quantize auto: nearest the file's {kind} weights"
 
 
 def apply_quantize(model, args: argparse.Namespace, out: Console | None = None):
     """Quantise ``model`` in place as ``--quantize`` says; prints what it saved."""
     from hyla.model.quantize import quantize_model
 
-    scheme = getattr(args, "quantize", "none")
+    scheme, why = resolve_quantize(model, getattr(args, "quantize", "none"))
     report = quantize_model(model, scheme)
+    if out is not None and why:
+        out.print(why)
     if scheme != "none" and out is not None:
         out.print(f"quantised {report.layers} linear layers to {scheme} "
                   f"({report.int4_layers} int4): weights {format_bytes(report.bytes_before)} "
@@ -73,5 +92,6 @@ def add_kv_cache_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="dtype of the attention layers' paged KV cache, choices auto, "
                         "float32, bfloat16; auto: the model's (--dtype), so outputs are "
-                        "exactly the model's; bfloat16 under a float32 model halves the "
-                        "cache's bytes (default: %(default)s)")
+                        "exactly the model's, but bfloat16 under --quantize'd weights; "
+                        "bfloat16 under a float32 model halves the cache's bytes (default: "
+                        "%(default)s)")

@@ -54,7 +54,8 @@ class EngineConfig:
     ``cuda_graphs``: replay each fixed decode shape as a captured CUDA graph (CUDA only;
     :meth:`Engine.warmup` captures them all before serving).
     ``kv_cache_dtype``: the paged KV blocks' dtype: None or ``"auto"`` the model's (bfloat16
-    when the model is), ``"float32"``/``"bfloat16"`` or a torch dtype (:func:`kv_dtype_for`).
+    when the model is, or its weights are quantised), ``"float32"``/``"bfloat16"`` or a torch
+    dtype (:func:`kv_dtype_for`).
     """
 
     max_num_seqs: int = 16
@@ -86,9 +87,11 @@ KV_DTYPES = ("auto", "float32", "bfloat16")
 def kv_dtype_for(model: HylaLM, choice: torch.dtype | str | None) -> torch.dtype:
     """The KV blocks' dtype for ``choice`` (:attr:`EngineConfig.kv_cache_dtype`): None or
     ``"auto"`` the model's (as vLLM's ``auto``: outputs exactly the model's; a model served
-    in bfloat16, as ``hyla serve --dtype auto`` does on CUDA, caches bfloat16); a name in
-    :data:`KV_DTYPES` or a dtype. ``"bfloat16"`` under an fp32 model halves the cache's bytes
-    (measured on a 2-core EPYC with AVX512-BF16: no faster, prompt logprobs within ~2e-3).
+    in bfloat16, as ``hyla serve --dtype auto`` does on CUDA, caches bfloat16), but bfloat16
+    under quantised weights (``--quantize``: outputs are no longer the float model's anyway;
+    llama.cpp caches f16 by default); a name in :data:`KV_DTYPES` or a dtype. ``"bfloat16"``
+    under an fp32 model halves the cache's bytes (prompt logprobs within ~2e-3) and the
+    bytes a compiled wide decode step's attention reads.
 
     Example:
         >>> from hyla.model import HylaLM, preset
@@ -98,7 +101,8 @@ def kv_dtype_for(model: HylaLM, choice: torch.dtype | str | None) -> torch.dtype
     """
     own = model.anchor.dtype
     if choice is None or choice == "auto":
-        return own
+        quantised = getattr(model, "quantized", "none") != "none"
+        return torch.bfloat16 if quantised and own == torch.float32 else own
     if isinstance(choice, torch.dtype):
         return choice
     if choice not in KV_DTYPES:

