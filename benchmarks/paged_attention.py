@@ -31,7 +31,7 @@ from hyla.ops.paged_attention import attend_fused, paged_decode_attention
 from hyla.perf import machine_info
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "paged_attention.json"
-B, H, H_KV, D, BS, LAYERS = 16, 9, 3, 64, 16, 30
+H, H_KV, D, BS, LAYERS = 9, 3, 64, 16, 30
 
 
 def layers_of(attend, keys, values):
@@ -53,7 +53,7 @@ def median_ms(fn, *args, repeats: int = 15) -> float:
     return 1e3 * statistics.median(times)
 
 
-def case(blocks: int, rounds: int) -> dict:
+def case(B: int, blocks: int, rounds: int) -> dict:
     g = torch.Generator().manual_seed(0)
     pool = B * blocks + 1
     keys = [torch.randn(pool, BS, H_KV, D, generator=g).bfloat16() for _ in range(LAYERS)]
@@ -76,9 +76,9 @@ def case(blocks: int, rounds: int) -> dict:
         for r in range(rounds):
             for name in list(variants) if r % 2 == 0 else list(variants)[::-1]:
                 ms[name].append(median_ms(fns[name], q, tables, positions))
-    row = {"rows": blocks * BS, "ms_30_layers": {n: statistics.median(v) for n, v in ms.items()},
+    row = {"batch": B, "rows": blocks * BS, "ms_30_layers": {n: statistics.median(v) for n, v in ms.items()},
            "rounds_ms": ms, "build_s_and_error": build_s}
-    print(json.dumps({k: row[k] for k in ("rows", "ms_30_layers")}), flush=True)
+    print(json.dumps({k: row[k] for k in ("batch", "rows", "ms_30_layers")}), flush=True)
     return row
 
 
@@ -87,10 +87,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = [case(blocks, args.rounds) for blocks in (6, 16)]
+    rows = [case(16, blocks, args.rounds) for blocks in (6, 16)]
+    rows += [case(1, blocks, args.rounds) for blocks in (6, 64, 256, 1024)]
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({"machine": machine_info(), "threads": 1,
-                                   "load": os.getloadavg(), "batch": B, "layers": LAYERS,
+                                   "load": os.getloadavg(), "layers": LAYERS,
                                    "rounds": args.rounds, "rows": rows}, indent=1) + "\n")
 
 

@@ -9,8 +9,9 @@ ranges of the flattened buffer (one, when the blocks are consecutive) and
 :func:`paged_decode_attention` is the same as one op that ``torch.compile`` keeps whole
 (``hyla::paged_decode_attention``): a compiled decode step reads the cache in place too, and
 its graph does not depend on how long the sequences are, so one graph serves every context
-length. Wide compiled batches take :func:`attend_fused` instead, products and sums that
-inductor fuses with the gather (the block tables' length symbolic: one graph too).
+length. Compiled steps over tables of up to ``FUSED_MAX_ROWS`` rows take
+:func:`attend_fused` instead, products and sums that inductor fuses with the gather (the
+block tables' length symbolic: one graph for all of them, another for longer tables).
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ LONG_SPAN_ROWS = 2048
 # Decode batches up to this many sequences read their KV rows in place, one attention call
 # a sequence (attend_spans); wider ones gather them into one batched product (attend_gathered)
 SPAN_MAX_BATCH = 8
+
+# A compiled step takes attend_fused for block tables of up to this many rows, the op beyond:
+# its loops are 2.4-4x faster up to 2,048 rows a sequence and fall off a cliff past them
+# (30 layers, one thread: one sequence at 2,048 rows 10.7 against 26.1 ms, at 4,096 216
+# against 35; 16 at 1,024 78 against 261, at 2,048 3,965 against 596;
+# benchmarks/paged_attention.py)
+FUSED_MAX_ROWS = 2048
 
 Spans = tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]
 
@@ -148,11 +156,13 @@ def attend_fused(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def attend_compiled(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Decode attention inside a compiled step (the batch width is fixed when it is traced):
-    up to SPAN_MAX_BATCH sequences through :func:`paged_decode_attention`, which reads each
-    one's rows (a long context costs its own rows, not the longest one's), wider batches
-    through :func:`attend_fused`."""
-    if q.shape[0] > SPAN_MAX_BATCH:
+    """Decode attention inside a compiled step: block tables of up to ``FUSED_MAX_ROWS``
+    rows through :func:`attend_fused`, longer ones through :func:`paged_decode_attention`,
+    which reads each sequence's own rows (for up to SPAN_MAX_BATCH sequences; a long context
+    costs its own rows, not the longest one's). The tables' length is symbolic when traced:
+    the test below is a guard, so each side is a graph of its own (the runner's warm-up
+    builds both)."""
+    if block_tables.shape[1] * keys.shape[1] <= FUSED_MAX_ROWS:
         return attend_fused(q, keys, values, block_tables, positions)
     return paged_decode_attention(q, keys, values, block_tables, positions)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from hyla.model import Context, HylaLM, SequenceState
-from hyla.ops.paged_attention import SPAN_MAX_BATCH, kv_spans
+from hyla.ops.paged_attention import FUSED_MAX_ROWS, SPAN_MAX_BATCH, kv_spans
 
 _RUNNER_KEYS = itertools.count()       # what tells compiled runners' graphs apart
 
@@ -361,12 +361,16 @@ class Runner:
     def warmup(self, widths: tuple[int, ...], max_blocks: int = 0) -> int:
         """Build every decode graph up front: each width (captured as CUDA graphs, x each
         power-of-two block-table length up to ``max_blocks``; compiled graphs serve every
-        length, so one call a width builds them). Writes only to the padding slot and
+        length, so one call a width builds them, or two where ``max_blocks`` reaches past
+        ``FUSED_MAX_ROWS``). Writes only to the padding slot and
         block. Returns the number of graphs compiled."""
         before = self.num_compilations
         nbs = [0]
         if self.has_growing and self.graphs is None:
-            nbs = [2]
+            # compiled attention reads tables of up to FUSED_MAX_ROWS rows one way and longer
+            # ones another (attend_compiled): a graph each
+            long = FUSED_MAX_ROWS // self.block_size + 1
+            nbs = [2, long] if max_blocks >= long else [2]
         elif self.has_growing:
             nbs = [1 << i for i in range(max(1, max_blocks).bit_length())]
             if nbs[-1] < max_blocks:

@@ -1,6 +1,6 @@
-"""Compiled decode: one graph a batch width serves every context length (attention reads the
-paged cache in place, through ``hyla::paged_decode_attention`` or, for wide batches, fused
-products), quantised layers trace
+"""Compiled decode: one graph a batch width serves every context length up to
+``FUSED_MAX_ROWS`` and one more beyond (attention reads the paged cache in place, through
+fused products, or past that through ``hyla::paged_decode_attention``), quantised layers trace
 without graph breaks, and with ``eager_until_built`` a width runs eagerly until a warm-up on
 another thread has built its graph (what ``hyla serve --compile`` does)."""
 
@@ -106,3 +106,19 @@ def test_a_width_runs_eagerly_until_a_background_warm_up_builds_it(model):
     assert graphed[0] is False and graphed[-1] is True
     assert runner.num_compilations >= 1
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_tables_past_fused_max_rows_take_the_op_in_a_graph_of_their_own(model, monkeypatch):
+    import hyla.ops.paged_attention as paged
+    import hyla.serve.runner as runner_module
+
+    # 48 rows instead of 2,048: the tables grow from 2 to 5 blocks of 16 across the cut
+    monkeypatch.setattr(paged, "FUSED_MAX_ROWS", 48)
+    monkeypatch.setattr(runner_module, "FUSED_MAX_ROWS", 48)
+    eager = _run(Runner(model, max_num_seqs=2, num_kv_blocks=10))
+    compiled = Runner(model, max_num_seqs=2, num_kv_blocks=10, compile=True)
+    assert compiled.warmup((2,), 5) == 2              # a graph each side of the cut
+    got = _run(compiled)
+    assert compiled.num_compilations == 2             # and none more while serving
+    torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
+    assert Runner(model, max_num_seqs=2, num_kv_blocks=10, compile=True).warmup((2,), 3) == 1
