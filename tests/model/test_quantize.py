@@ -147,3 +147,14 @@ def test_prepare_copies_makes_ahead_what_first_use_would_make():
     assert all(("_vnni" in m.__dict__) == vnni_int8_available() for m in layers)
     after = model(ids), model(ids[:, :5])
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_a_tied_output_layer_and_embedding_share_their_int8_codes():
+    cfg = preset("debug")
+    cfg.tie_embeddings = True
+    model = HylaLM(cfg).eval()
+    quantize_model(model, "int4")
+    if isinstance(model.lm_head, Int8Linear):         # per row (VNNI): the embedding's codes
+        assert model.lm_head.qweight.data_ptr() == model.embed.qweight.data_ptr()
+    ids = torch.randint(0, 256, (1, 6))
+    assert torch.isfinite(model(ids)).all()
