@@ -1,12 +1,13 @@
-"""Decode attention of a wide compiled batch over the paged KV cache, two ways.
+"""Decode attention of a compiled step over the paged KV cache, two ways.
 
 SmolLM2-135M's attention shape (9 query heads, 3 KV heads of 64, bf16 cache, blocks of 16),
-16 sequences, 30 layers in one compiled function, at 96 and 256 cached rows a sequence:
+30 layers in one compiled function: 16 sequences at 96 and 256 cached rows a sequence, one
+at 96, 1,024, 4,096 and 16,384:
 
-- ``op``: ``hyla::paged_decode_attention`` (gathered bf16 products inside one custom op,
-  what a compiled wide batch ran before);
+- ``op``: ``hyla::paged_decode_attention`` (inside one custom op: up to 8 sequences each
+  one's rows read in place, wider batches gathered bf16 products);
 - ``fused``: :func:`hyla.ops.paged_attention.attend_fused`, products and sums inductor fuses
-  with the gather (what a compiled wide batch runs).
+  with the gather (what a compiled step runs up to ``FUSED_MAX_ROWS`` rows, the op beyond).
 
 One thread, the variants alternating in one process over several rounds, medians of ms for
 the 30 layers, and each one's largest difference from the op's output.
@@ -76,8 +77,9 @@ def case(B: int, blocks: int, rounds: int) -> dict:
         for r in range(rounds):
             for name in list(variants) if r % 2 == 0 else list(variants)[::-1]:
                 ms[name].append(median_ms(fns[name], q, tables, positions))
-    row = {"batch": B, "rows": blocks * BS, "ms_30_layers": {n: statistics.median(v) for n, v in ms.items()},
-           "rounds_ms": ms, "build_s_and_error": build_s}
+    row = {"batch": B, "rows": blocks * BS,
+           "ms_30_layers": {n: statistics.median(v) for n, v in ms.items()}, "rounds_ms": ms,
+           "build_s_and_error": build_s}
     print(json.dumps({k: row[k] for k in ("batch", "rows", "ms_30_layers")}), flush=True)
     return row
 
