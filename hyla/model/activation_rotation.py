@@ -7,7 +7,7 @@ spreads each outlier over its block, and since ``R`` is orthogonal the product i
 when the weight is rotated alike: ``x W^T = (x R)(W R)^T``. The weight's rotation is made
 once (before its own quantisation); the activations' costs one small GEMM a call. On
 SmolLM2-135M int4, 8-bit activations (per row) cost 1.5% decode-path perplexity as they
-are and 0.3% rotated (``benchmarks/activation_bits.py``).
+are and 0.11% rotated (``benchmarks/activation_bits.py``).
 
 Example:
     >>> rotate = BlockHadamard(128)

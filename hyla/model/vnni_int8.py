@@ -104,7 +104,7 @@ class VnniInt8Matmul:
     @classmethod
     def eight_bit(cls, weight: torch.Tensor) -> VnniInt8Matmul:
         """8-bit activations, rotated (:mod:`hyla.model.activation_rotation`) where the input
-        size allows it: half the work of the 16-bit default for +0.3% decode-path perplexity
+        size allows it: half the work of the 16-bit default for +0.11% decode-path perplexity
         on SmolLM2 (``benchmarks/activation_bits.py``). Where it does not, 16 bits: unrotated
         8-bit activations cost 1.5%."""
         if not BlockHadamard.fits(weight.shape[1]):
