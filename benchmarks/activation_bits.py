@@ -26,16 +26,13 @@ import pathlib
 import statistics
 import sys
 
-import torch
-
 from hyla.model import quantize as Q
-from hyla.model.load import load_model
 from hyla.model.quantize import prepare_copies
-from hyla.model.vnni_int8 import VnniInt8Matmul, vnni_int8_available
+from hyla.model.vnni_int8 import VnniInt8Matmul
 from hyla.perf import machine_info
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from vnni_int8 import DOCS, TOKENS, decode_together, documents  # noqa: E402
+from vnni_int8 import DOCS, TOKENS, decode_together, documents, int4_smollm2  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "activation_bits.json"
 
@@ -44,11 +41,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds")
     args = parser.parse_args()
-    if not vnni_int8_available():
-        raise SystemExit("this CPU has no AVX512-VNNI (or torch no fbgemm): nothing to compare")
-    torch.set_num_threads(1)
-    model, tokenizer = load_model("smollm2")
-    Q.quantize_model(model, "int4")
+    model, tokenizer = int4_smollm2()
     prepare_copies(model)
     docs = documents(tokenizer)
     layers = [m for m in model.modules() if isinstance(m, Q.WeightOnlyLinear)]

@@ -128,15 +128,22 @@ def decode_together(model, docs) -> tuple[float, float]:
     return math.exp(nll / (DOCS * TOKENS)), DOCS / statistics.median(steps)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3, help="alternating off/on rounds")
-    args = parser.parse_args()
+def int4_smollm2():
+    """(SmolLM2-135M quantised to int4, its tokenizer) on one thread; exits where fbgemm's
+    VNNI products do not run (these benchmarks compare them)."""
     if not vnni_int8_available():
         raise SystemExit("this CPU has no AVX512-VNNI (or torch no fbgemm): nothing to compare")
     torch.set_num_threads(1)
     model, tokenizer = load_model("smollm2")
     Q.quantize_model(model, "int4")
+    return model, tokenizer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3, help="alternating off/on rounds")
+    args = parser.parse_args()
+    model, tokenizer = int4_smollm2()
     assert isinstance(model.lm_head, Q.Int8Linear) and model.lm_head.vnni_min_rows == 1
     docs = documents(tokenizer)
     modes = ("off", "on", "on, 8-bit activations")
