@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyla.model.activation_rotation import BlockHadamard
 from hyla.model.fused_projections import fuse_siblings
 from hyla.model.vnni_int8 import VnniInt8Matmul, per_row_int8, vnni_int8_available
 from hyla.ops.hardware import checked_once
@@ -92,8 +93,10 @@ class WeightOnlyLinear(nn.Module):
     # over where VNNI runs them: the output layer from one (set at quantisation), the others
     # from two (their own kernel is as fast for one row, and needs no int8 copy).
     vnni_min_rows = 2
-    # The activations' bits in those products: 16 (a row and its residual) or 8 (rotated
-    # first, half the work: VnniInt8Matmul.eight_bit), set by quantize_model's "-a8" schemes.
+    # The activations' bits in those products for decode batches: 16 (a row and its
+    # residual) or 8 (rotated first, half the work: VnniInt8Matmul.eight_bit), set by
+    # quantize_model's "-a8" schemes. Other rows (prompts) take 16 bits on the plain copy,
+    # as without -a8: the two copies cost SmolLM2 about 110 MB.
     activation_bits = 16
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,12 +112,16 @@ class WeightOnlyLinear(nn.Module):
     # The two copies below are made on first use (a model that only decodes one row never
     # holds them) or ahead by prepare_copies. Plain attributes: not in the state dict, not
     # moved by .to.
-    def vnni_matmul(self) -> VnniInt8Matmul:
-        """fbgemm's packed int8 copy of the weight."""
-        vnni = self.__dict__.get("_vnni")
+    def vnni_matmul(self, eight_bit: bool = False) -> VnniInt8Matmul:
+        """fbgemm's packed int8 copy of the weight; ``eight_bit``: the rotated copy for 8-bit
+        activations (:meth:`VnniInt8Matmul.eight_bit`)."""
+        if eight_bit and not BlockHadamard.fits(self.in_features):
+            return self.vnni_matmul()       # eight_bit keeps 16 bits there: the same copy
+        key = "_vnni8" if eight_bit else "_vnni"
+        vnni = self.__dict__.get(key)
         if vnni is None:
-            vnni = self.__dict__["_vnni"] = (
-                VnniInt8Matmul.eight_bit(self.dequantized()) if self.activation_bits == 8
+            vnni = self.__dict__[key] = (
+                VnniInt8Matmul.eight_bit(self.dequantized()) if eight_bit
                 else VnniInt8Matmul(*self.int8_rows()))
         return vnni
 
@@ -131,7 +138,11 @@ class WeightOnlyLinear(nn.Module):
         # dtype checks before .to: a no-op conversion still costs a dispatch (~1 us), and a
         # decode step makes hundreds of these calls
         if self.vnni_min_rows <= rows <= KERNEL_MAX_ROWS and vnni_int8_available():
-            y = self.vnni_matmul()(flat)
+            # "-a8" takes 8-bit activations in decode batches alone, where the throughput
+            # is: several sequences of one row each ([B, 1, in]). A prompt's rows keep 16
+            # bits: they set the state every later token reads.
+            decode_batch = rows > 1 and x.dim() > 1 and x.shape[-2] == 1
+            y = self.vnni_matmul(self.activation_bits == 8 and decode_batch)(flat)
         elif rows >= DENSE_BF16_MIN_ROWS and _dense_in_bf16() and _int4_layout_known():
             y = F.linear(flat if flat.dtype is torch.bfloat16 else flat.to(torch.bfloat16),
                          self.dense_bf16())
@@ -325,6 +336,8 @@ def prepare_copies(model: nn.Module) -> int:
     for m in layers:
         if vnni_int8_available():
             m.vnni_matmul()
+            if m.activation_bits == 8:
+                m.vnni_matmul(eight_bit=True)
         if _dense_in_bf16() and _int4_layout_known():
             m.dense_bf16()
     return len(layers)

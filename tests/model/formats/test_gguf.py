@@ -59,7 +59,7 @@ def test_generate_on_smollm2_gives_transformers_greedy_tokens(capsys):
     for text in TEXTS:
         assert tok.encode(text) == ref_tok(text)["input_ids"], text
     capsys.readouterr()
-    # --quantize none: the file's weights in float, as transformers computes (auto: int4)
+    # --quantize none: the file's weights in float, as transformers computes (auto: int4-a8)
     assert main(["generate", "--checkpoint", str(GGUF), "--prompt", PROMPT, "--quantize",
                  "none", "--temperature", "0", "--max-tokens", "32", "--threads", "2"]) == 0
     out = capsys.readouterr().out
