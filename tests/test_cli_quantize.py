@@ -77,7 +77,7 @@ def test_serve_logs_the_kv_reservation_and_refuses_too_small_a_budget(monkeypatc
 
 @pytest.mark.parametrize("kind, scheme", [("Q4_1", "int4"), ("Q4_0", "int4"), ("Q8_0", "int8"),
                                           ("F16", "none")])
-def test_auto_takes_the_scheme_nearest_a_gguf_files_own(tmp_path, capsys, kind, scheme):
+def test_auto_takes_the_scheme_nearest_a_gguf_files_own(tmp_path, monkeypatch, kind, scheme):
     gguf = pytest.importorskip("gguf")
     from rich.console import Console
 
@@ -99,6 +99,11 @@ def test_auto_takes_the_scheme_nearest_a_gguf_files_own(tmp_path, capsys, kind, 
     assert getattr(model, "quantized", "none") == want
     if scheme != "none":
         assert f"to {want} " in said.getvalue() and kind in said.getvalue()
+        # without VNNI, the plain scheme (-a8 would be refused there)
+        import hyla.model.vnni_int8 as vnni
+
+        monkeypatch.setattr(vnni, "vnni_int8_available", lambda: False)
+        assert resolve_quantize(load_model(path)[0], "auto")[0] == scheme
     if scheme != "none":
         # off the CPU, auto keeps the float weights and says why (an explicit scheme errs)
         fresh, _ = load_model(path)
