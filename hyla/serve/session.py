@@ -45,13 +45,13 @@ class RunnerState:
         self.num_blocks = 0
         self._reserve(capacity)
 
-    def _blocks(self, tokens: int) -> int:
+    def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     def _reserve(self, tokens: int) -> None:
         """Blocks for ``tokens`` tokens: a bigger runner (twice the blocks at least) with
         this state copied in, when the present one is too small."""
-        need = self._blocks(tokens)
+        need = self._blocks_for(tokens)
         if self.runner is not None and (need <= self.num_blocks or not self.has_growing):
             return
         blocks = max(need, 2 * self.num_blocks) if self.has_growing else 0
@@ -63,7 +63,7 @@ class RunnerState:
         self.runner, self.num_blocks = runner, blocks
 
     def _table(self, tokens: int) -> list[int]:
-        return list(range(self._blocks(tokens))) if self.has_growing else []
+        return list(range(self._blocks_for(tokens))) if self.has_growing else []
 
     @torch.no_grad()
     def prefill(self, ids: list[int]) -> torch.Tensor:

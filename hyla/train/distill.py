@@ -34,6 +34,7 @@ from torch import nn
 
 from hyla.data.packing import corpus_blocks
 from hyla.model.formats.checkpoint import save_checkpoint
+from hyla.model.mixers.attention import AttentionMixer
 from hyla.train.checkpointing import (
     load_train_state,
     restore_optimizers,
@@ -216,7 +217,7 @@ class Distiller:
     def plan(self) -> str:
         """What the run will do, in a few lines: layers, stages and their tokens."""
         cfg, layers = self.cfg, self.model.cfg.layers
-        keep = [i for i, c in enumerate(layers) if c == "A"]
+        keep = [i for i, c in enumerate(layers) if c == AttentionMixer.letter]
         how = (f"{cfg.layers}, ranked by {cfg.layer_ranking}" if cfg.layers.startswith("auto")
                else "all linear" if not keep else "as given")
         lines = [f"layers {layers} ({how}): {len(keep)} of {len(layers)} stay attention"
