@@ -109,7 +109,7 @@ class WeightOnlyLinear(nn.Module):
         """The weight as int8 codes with one scale per output row (what fbgemm takes)."""
         return per_row_int8(self.dequantized())
 
-    # The two copies below are made on first use (a model that only decodes one row never
+    # The copies below are made on first use (a model that only decodes one row never
     # holds them) or ahead by prepare_copies. Plain attributes: not in the state dict, not
     # moved by .to.
     def vnni_matmul(self, eight_bit: bool = False) -> VnniInt8Matmul:
