@@ -113,7 +113,7 @@ def run_one(letter: str, teacher: pathlib.Path, work: pathlib.Path, args, sets: 
     import torch
 
     from hyla.train.distill import Distiller
-    from hyla.train.distill_config import DistillConfig
+    from hyla.train.distill.config import DistillConfig
 
     out = work / f"student_{letter}"
     shutil.rmtree(out, ignore_errors=True)

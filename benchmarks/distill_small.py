@@ -88,7 +88,7 @@ def long_child(hf_dir: str, length: int, cap_gib: float, mode: str) -> None:
     try:
         if mode == "stream":
             from hyla.train.distill import Distiller
-            from hyla.train.distill_config import DistillConfig
+            from hyla.train.distill.config import DistillConfig
 
             layers, kv = STUDENTS["GGGA"]
             d = Distiller(DistillConfig(teacher=hf_dir, recipe="plain-gla", layers=layers,
@@ -189,8 +189,8 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     from hyla.model.formats.checkpoint import load_checkpoint
     from hyla.train.config import TrainConfig
     from hyla.train.distill import Distiller
-    from hyla.train.distill_config import DistillConfig
-    from hyla.train.distill_init import student_config
+    from hyla.train.distill.config import DistillConfig
+    from hyla.train.distill.student import student_config
     from hyla.train.trainer import Trainer
 
     work = pathlib.Path(args.work or tempfile.mkdtemp(prefix="distill_small_"))

@@ -53,7 +53,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 LICENSES = pathlib.Path("/usr/share/common-licenses")
 PROSE = ("GPL-3", "Apache-2.0", "MPL-2.0", "LGPL-2.1", "GFDL-1.3", "Artistic", "CC0-1.0", "BSD")
 # "hybrid": every fourth layer kept; "hybrid-auto": as many, chosen by the teacher
-# (hyla.train.distill_layers: induction and reach probes, not the passkey test)
+# (hyla.train.distill.layer_ranking: induction and reach probes, not the passkey test)
 STUDENTS = {"hybrid": "GGGA" * 7 + "GG", "hybrid-auto": "auto:7", "all-linear": "G" * 30}
 MC_SOURCE, MC_ITEMS, MC_SEED, MC_NAME = "man", 120, 0, "heldout_mc"
 RECALL_PAIRS, RECALL_LIMIT = (2, 8, 32), 8
@@ -188,7 +188,7 @@ def recipe_throughput(teacher: pathlib.Path, steps: int = 4) -> dict:
     import statistics
 
     from hyla.train.distill import Distiller
-    from hyla.train.distill_config import DistillConfig
+    from hyla.train.distill.config import DistillConfig
 
     recipes = {"earlier": {"recipe": "plain-gla", "autocast": "off"},
                "this": {"window": 64, "lora_rank": 8, "lr": 1e-3}}

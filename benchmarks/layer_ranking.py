@@ -3,11 +3,11 @@
 For ``hyla distill --layers auto:7`` on SmolLM2-135M-Instruct (30 layers), the teacher's
 layers ranked by
 
-- induction (:func:`hyla.train.distill_layers.induction_scores`): attention to the token
+- induction (:func:`hyla.train.distill.layer_ranking.induction_scores`): attention to the token
   after a previous occurrence, on random tokens repeated once;
-- reach (:func:`~hyla.train.distill_layers.far_attention`): attention share beyond a
+- reach (:func:`~hyla.train.distill.layer_ranking.far_attention`): attention share beyond a
   64-token window and 4 sinks, on the probe block (the first 1,024-token training block);
-- KL (:func:`hyla.train.distill_kl_rank.restored_kl`): the vocabulary KL(teacher ||
+- KL (:func:`hyla.train.distill.kl_ranking.restored_kl`): the vocabulary KL(teacher ||
   student) each layer's softmax attention removes when put back alone into the calibrated,
   untrained all-linear windowed student, on the same probe block;
 
@@ -68,9 +68,9 @@ def _load_avg() -> list[float]:
 
 def rankings(teacher_name: str) -> dict:
     from hyla.train.distill import load_teacher
-    from hyla.train.distill_init import probe_block
-    from hyla.train.distill_kl_rank import restored_kl
-    from hyla.train.distill_layers import choose_layers, far_attention, induction_scores
+    from hyla.train.distill.kl_ranking import restored_kl
+    from hyla.train.distill.layer_ranking import choose_layers, far_attention, induction_scores
+    from hyla.train.distill.student import probe_block
 
     t0 = time.perf_counter()
     teacher, tok = load_teacher(teacher_name)

@@ -15,7 +15,7 @@ import argparse
 
 from hyla.perf import print_table, write_results
 from hyla.train.comm import planned_traffic
-from hyla.train.muon_bench import muon_shapes, run_muon_comm
+from hyla.train.optim.comm_bench import muon_shapes, run_muon_comm
 
 REFERENCE = {"all_gather_bytes": 10.87e9, "all_to_all_bytes": 0.45e9,
              "tokens_per_s": {"all_gather": 73378, "all_to_all": 119934}}

@@ -18,8 +18,8 @@ from rich.console import Console
 
 from hyla.cli.common import SOURCE_HELP
 from hyla.train.config import OPTIMIZERS
-from hyla.train.distill_config import LAYER_RANKINGS, DistillConfig
-from hyla.train.distill_recipes import DEFAULT_RECIPE, RECIPE_FIELDS, RECIPES
+from hyla.train.distill.config import LAYER_RANKINGS, DistillConfig
+from hyla.train.distill.recipes import DEFAULT_RECIPE, RECIPE_FIELDS, RECIPES
 
 _NONE_DEFAULT_TYPES = {"student_kv_heads": int, "stage1_seq_len": int, "data": str,
                        "eval_data": str, "report_tokens": int, "report_trials": int,

@@ -10,7 +10,7 @@ dim 0, padded, as both FSDP2's ``fully_shard`` and :mod:`hyla.train.comm` cut th
 - ``params``: fp32 master weights. replicate: all ``P``; fsdp: the rank's shards.
 - ``grads``: fp32. replicate: all ``P`` (averaged by an all-reduce); fsdp: shards.
 - ``optimizer``: Muon's momentum (one buffer a 2-D hidden matrix,
-  :func:`hyla.train.param_groups.split_params`) sharded by rows in both strategies (DistMuon
+  :func:`hyla.model.parameter_kinds.split_params`) sharded by rows in both strategies (DistMuon
   today, DTensor shards under FSDP); AdamW's two moments for the rest: replicated today,
   sharded under FSDP. ``--optimizer adamw``: two moments for everything.
 - ``transient`` (fsdp only): what ``fully_shard`` all-gathers around the compute: the root's
@@ -77,8 +77,8 @@ def parameter_table(cfg: HylaConfig, optimizer: str = "muon") -> list[dict]:
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    from hyla.model.parameter_kinds import split_params
     from hyla.model.sizing import meta_model
-    from hyla.train.param_groups import split_params
 
     muon, adamw = split_params(meta_model(cfg))
     rows = []

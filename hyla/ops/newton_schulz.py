@@ -1,7 +1,7 @@
 """Newton-Schulz orthogonalisation: the matrix function at the heart of Muon.
 
 A pure tensor function (no optimizer state), so it lives with the other ops; the optimizers
-in :mod:`hyla.train.muon` and :mod:`hyla.train.muon_dist` call it.
+in :mod:`hyla.train.optim.muon` and :mod:`hyla.train.optim.dist_muon` call it.
 """
 
 from __future__ import annotations

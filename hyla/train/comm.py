@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hyla.train.muon import ns_flops
+from hyla.train.optim.muon import ns_flops
 
 STRATEGIES = ("all_gather", "all_to_all")
 
@@ -87,7 +87,7 @@ def planned_traffic(shapes: Sequence[tuple[int, int]], world: int, strategy: str
     """Per-rank optimizer bytes and NS FLOPs of one step, without running anything.
 
     Returns one ``{"sent", "received", "ns_flops"}`` dict per rank: what
-    :class:`hyla.train.muon_dist.DistMuon` counts, so it extrapolates to shapes too big to
+    :class:`hyla.train.optim.dist_muon.DistMuon` counts, so it extrapolates to shapes too big to
     run here.
 
     Example:

@@ -9,8 +9,7 @@ OPTIMIZERS = ("muon", "adamw")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("cpu", "cuda")
 MUON_STRATEGIES = ("all_to_all", "all_gather")  # DistMuon's, under torchrun
-# how W > 1 ranks train: fsdp (hyla.train.distributed), diloco (hyla.train.diloco), fomoe
-# (hyla.train.fomoe)
+# how W > 1 ranks train (hyla.train.strategies): fsdp, diloco, fomoe
 STRATEGIES = ("fsdp", "diloco", "fomoe")
 PLANNED_STRATEGIES: tuple[str, ...] = ()  # none left
 
@@ -40,7 +39,7 @@ class TrainConfig:
     lr: float = 3e-3  # AdamW (and Muon's AdamW-side parameters)
     muon_lr: float = 0.02
     muon_strategy: str = "all_to_all"  # multi-process runs: how DistMuon shares matrices
-    strategy: str = "fsdp"  # multi-process runs: FSDP2 shards (see hyla.train.distributed)
+    strategy: str = "fsdp"  # multi-process runs: FSDP2 shards (hyla.train.strategies.fsdp)
     # diloco / fomoe: inner steps between outer syncs, and the outer Nesterov SGD
     sync_every: int = 16
     outer_lr: float = 0.7

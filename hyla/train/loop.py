@@ -20,13 +20,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from hyla.train import distributed
 from hyla.train.batches import next_batch
 from hyla.train.checkpointing import guarded_save, remove_stale_temps, save_train_checkpoint
 from hyla.train.comm import CommCounter
 from hyla.train.metrics import MetricsLog
 from hyla.train.objectives import Objective
 from hyla.train.progress import ProgressDisplay
+from hyla.train.strategies import process_group as distributed
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -81,15 +81,15 @@ class Loop:
             holding it; None: never validated.
         rank, world: this process's rank and the number of ranks (``torchrun``).
         distributed_checkpoints: write checkpoints through DCP
-            (:mod:`hyla.train.dist_checkpoint`, any world size) instead of one process's
+            (:mod:`hyla.train.checkpointing.dcp`, any world size) instead of one process's
             ``train_state.pt``.
         counters: the :class:`~hyla.train.comm.CommCounter` s of what this rank sends; each
             record gets ``comm_bytes`` (the most any rank sent that step) and
             ``comm_bytes_per_rank``.
         after_step: called with the global step after each optimizer step, before its bytes
-            are counted (DiLoCo's outer sync: :class:`~hyla.train.diloco.OuterSync`).
+            are counted (DiLoCo's outer sync: :class:`~hyla.train.strategies.diloco.OuterSync`).
         save_fn: ``save_fn(loop, target)`` writes a checkpoint instead of the default writers
-            (DiLoCo/FoMoE: :mod:`hyla.train.replica_checkpoint`).
+            (DiLoCo/FoMoE: :mod:`hyla.train.checkpointing.replicas`).
 
     Example:
         >>> import tempfile
@@ -180,7 +180,7 @@ class Loop:
         if self.save_fn is not None:
             return guarded_save(self.save_fn, self, target)
         if self.distributed_checkpoints:
-            from hyla.train.dist_checkpoint import save_dcp_checkpoint
+            from hyla.train.checkpointing.dcp import save_dcp_checkpoint
 
             return guarded_save(save_dcp_checkpoint, self, target)
         return save_train_checkpoint(self, target)

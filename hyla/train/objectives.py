@@ -8,7 +8,7 @@ An objective holds the models it needs (a student, a frozen teacher) and answers
   of this micro-batch (floats, ``"loss"`` among them, already divided by ``accum``: the loop
   sums them over the step's micro-batches). Most objectives only define ``loss(batch) ->
   (loss, metrics)`` and inherit this; one whose parts train independently
-  (:class:`~hyla.train.distill_objectives.AttentionTransfer`) backpropagates each part alone.
+  (:class:`~hyla.train.distill.objectives.AttentionTransfer`) backpropagates each part alone.
 - ``clip_groups() -> [[params], ...]``: the parameter groups whose gradient norm is clipped
   each on its own (usually one group: everything trained).
 """

@@ -139,7 +139,9 @@ def probe_routes(model: nn.Module, ids: torch.Tensor,
         for m in layers:
             m.record_routes = False
         model.train(was_training)
-    from hyla.train.distributed import reshard  # a forward alone leaves FSDP2's root gathered
+    from hyla.train.strategies.process_group import (
+        reshard,  # a forward alone leaves FSDP2's root gathered
+    )
 
     reshard(model)
     routes = [m.last_routes.sort(-1).values for m in layers]

@@ -19,7 +19,7 @@ from hyla.eval.memory import memory_report, state_bytes
 from hyla.model import MIXERS, HylaLM, SequenceState, preset
 from hyla.model.formats.checkpoint import load_checkpoint, save_checkpoint
 from hyla.model.mixers.deltanet import CONV_KERNEL, GatedDeltaMixer, KDAMixer
-from hyla.train.distill_init import build_student, transfer_layers
+from hyla.train.distill.student import build_student, transfer_layers
 
 
 def _model(layers, seed=0):
@@ -166,7 +166,7 @@ def test_bf16_model_prefill_then_decode():
 
 def test_distill_runs_with_delta_layers(tmp_path):
     from hyla.train.distill import Distiller
-    from hyla.train.distill_config import DistillConfig
+    from hyla.train.distill.config import DistillConfig
 
     torch.manual_seed(0)
     teacher = HylaLM(dataclasses.replace(preset("debug"), layers="AAAA", n_kv_heads=2)).eval()

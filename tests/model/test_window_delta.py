@@ -26,7 +26,7 @@ from hyla.model.mixers import (
     WindowedGLAMixer,
     WindowedKDAMixer,
 )
-from hyla.train.distill_init import build_student
+from hyla.train.distill.student import build_student
 
 LETTERS = ["D", "K"]
 

@@ -19,7 +19,7 @@ from hyla.model import HylaLM, SequenceState, preset
 from hyla.model.formats.checkpoint import load_checkpoint, save_checkpoint
 from hyla.model.mixers import GLAMixer, WindowedGLAMixer
 from hyla.model.mixers.window_gla import hedgehog
-from hyla.train.distill_init import build_student
+from hyla.train.distill.student import build_student
 
 
 def _model(layers="GGAG", window=5, sinks=2, seed=0, perturb=True):
@@ -170,7 +170,7 @@ def test_student_takes_the_teachers_projections_and_starts_close():
 
 
 def test_smollm2_sized_student_stays_within_five_percent_of_its_parameters():
-    from hyla.train.distill_init import student_config
+    from hyla.train.distill.student import student_config
 
     teacher = dataclasses.replace(
         preset("debug"), vocab_size=49152, d_model=576, layers="A" * 30, n_heads=9,

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from hyla.model.formats.checkpoint import latest_checkpoint, step_dirs
 from hyla.model.load import load_model
-from hyla.train import checkpointing
+from hyla.train.checkpointing import atomic as checkpointing
 from hyla.train.checkpointing import load_train_state, publish, remove_stale_temps
 from hyla.train.config import TrainConfig
 from hyla.train.trainer import Trainer

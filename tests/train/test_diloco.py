@@ -10,9 +10,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hyla.train import diloco, optim, trainer
 from hyla.train.config import TrainConfig
-from hyla.train.diloco import OuterSync, ring_bytes
+from hyla.train.optim import build as optim
+from hyla.train.strategies import base as strategy_base
+from hyla.train.strategies import diloco
+from hyla.train.strategies.diloco import OuterSync, ring_bytes
 from hyla.train.trainer import Trainer
 
 WORLD = 2
@@ -50,7 +52,7 @@ def _worker(rank, world, root):
         # Muon + AdamW inside, Nesterov outside, a checkpoint mid-interval (step 3 of H = 2)
         run = Trainer(tiny(root / "dil", strategy="diloco", sync_every=2))
         run.fit(progress=False)
-        assert run.outer.sync_bytes() == _synced_bytes(run.model)
+        assert run.strategy.sync.sync_bytes() == _synced_bytes(run.model)
         if rank == 0:
             shutil.copytree(root / "dil", root / "dil_again")
         dist.barrier()
@@ -71,7 +73,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("diloco")
     torch.set_num_threads(1)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(trainer, "run_optimizers", sgd)
+        patch.setattr(strategy_base, "run_optimizers", sgd)
         # one process, the same global batch: 2 micro-batches of the two ranks' blocks
         Trainer(tiny(root / "dp1", **DP, grad_accum=2)).fit(progress=False)
     patch = pytest.MonkeyPatch()

@@ -14,14 +14,14 @@ from hyla.model.formats.checkpoint import load_checkpoint, save_checkpoint
 from hyla.model.generate import generate
 from hyla.model.mixers.base import merge_kv_heads
 from hyla.train.distill import Distiller, load_teacher
-from hyla.train.distill_config import DistillConfig
-from hyla.train.distill_init import build_student, student_config
-from hyla.train.distill_loss import (
+from hyla.train.distill.config import DistillConfig
+from hyla.train.distill.losses import (
     chunked_vocab_kl,
     direct_vocab_kl,
     final_hidden,
     layer_transfer_loss,
 )
+from hyla.train.distill.student import build_student, student_config
 
 
 def _teacher(seed=0, kv=2):

@@ -12,8 +12,8 @@ from hyla.model import HylaLM, load_model, preset
 from hyla.model.formats.checkpoint import save_checkpoint
 from hyla.model.mixers import WindowedDeltaMixer, WindowedKDAMixer
 from hyla.train.distill import Distiller
-from hyla.train.distill_config import DistillConfig
-from hyla.train.distill_init import build_student, transfer_layers
+from hyla.train.distill.config import DistillConfig
+from hyla.train.distill.student import build_student, transfer_layers
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hyla.model import HylaLM, preset
-from hyla.train.distill_kl_rank import kl_layer_scores, linear_student, restored_kl
-from hyla.train.distill_layers import choose_layers, far_attention, induction_scores
+from hyla.train.distill.kl_ranking import kl_layer_scores, linear_student, restored_kl
+from hyla.train.distill.layer_ranking import choose_layers, far_attention, induction_scores
 
 
 def _teacher(layers="AAA"):

@@ -8,8 +8,8 @@ import torch
 from hyla.model import HylaLM, preset
 from hyla.model.formats.checkpoint import save_checkpoint
 from hyla.train.distill import Distiller
-from hyla.train.distill_config import DistillConfig
-from hyla.train.distill_layers import choose_layers, far_attention, induction_scores
+from hyla.train.distill.config import DistillConfig
+from hyla.train.distill.layer_ranking import choose_layers, far_attention, induction_scores
 
 
 def _teacher(layers="AAAAAA"):

@@ -13,11 +13,11 @@ import torch
 from hyla.cli import main
 from hyla.model import HylaLM, preset
 from hyla.model.formats.checkpoint import save_checkpoint
-from hyla.train import distill as distill_module
 from hyla.train.checkpointing import load_train_state
 from hyla.train.distill import Distiller
-from hyla.train.distill_config import DistillConfig
-from hyla.train.distill_recipes import RECIPES, Recipe, resolve_layers, windowed_form
+from hyla.train.distill import pipeline as distill_module
+from hyla.train.distill.config import DistillConfig
+from hyla.train.distill.recipes import RECIPES, Recipe, resolve_layers, windowed_form
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from hyla.cli import main
 from hyla.model import HylaLM, load_model, preset
 from hyla.model.formats.checkpoint import save_checkpoint
 from hyla.train.distill import Distiller
-from hyla.train.distill_config import DistillConfig
+from hyla.train.distill.config import DistillConfig
 from hyla.train.lora import add_lora, has_lora, merge_lora
 
 

@@ -9,9 +9,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hyla.train import distributed, optim
 from hyla.train.checkpointing import load_train_state
 from hyla.train.config import TrainConfig
+from hyla.train.optim import build as optim
+from hyla.train.strategies import fsdp
+from hyla.train.strategies import process_group as distributed
 from hyla.train.trainer import Trainer
 
 WORLD = 2
@@ -64,7 +66,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     patch = pytest.MonkeyPatch()
     # fp32 Newton-Schulz on every CPU, so one and two ranks can be compared tightly.
-    patch.setattr(distributed, "fast_low_precision_matmul", lambda *a, **k: False)
+    patch.setattr(fsdp, "fast_low_precision_matmul", lambda *a, **k: False)
     patch.setattr(optim, "fast_low_precision_matmul", lambda *a, **k: False)
     torch.set_num_threads(1)
     try:
@@ -181,12 +183,12 @@ def test_bad_strategy_flags():
 
 def test_mixed_precision_follows_the_flag_where_bf16_is_fast(monkeypatch):
     bf16 = TrainConfig(precision="bf16")
-    monkeypatch.setattr(distributed, "fast_low_precision_matmul", lambda *a, **k: True)
-    policy = distributed.mixed_precision(bf16, "cpu")
+    monkeypatch.setattr(fsdp, "fast_low_precision_matmul", lambda *a, **k: True)
+    policy = fsdp.mixed_precision(bf16, "cpu")
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
-    assert distributed.mixed_precision(TrainConfig(), "cpu").param_dtype is None   # fp32 run
-    monkeypatch.setattr(distributed, "fast_low_precision_matmul", lambda *a, **k: False)
-    assert distributed.mixed_precision(bf16, "cpu").param_dtype is None     # emulated bf16
+    assert fsdp.mixed_precision(TrainConfig(), "cpu").param_dtype is None   # fp32 run
+    monkeypatch.setattr(fsdp, "fast_low_precision_matmul", lambda *a, **k: False)
+    assert fsdp.mixed_precision(bf16, "cpu").param_dtype is None     # emulated bf16
 
 
 def test_one_process_run_json_and_device_flag(runs):

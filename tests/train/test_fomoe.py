@@ -13,11 +13,11 @@ import torch.multiprocessing as mp
 
 from hyla.model import HylaLM, preset
 from hyla.model.ffn.moe import MoEFFN
-from hyla.train import optim
+from hyla.train.checkpointing.replicas import consolidated
 from hyla.train.config import TrainConfig
-from hyla.train.diloco import OuterSync, ring_bytes
-from hyla.train.fomoe import expert_placement, held_by, hold_experts, hold_experts_in
-from hyla.train.replica_checkpoint import consolidated
+from hyla.train.optim import build as optim
+from hyla.train.strategies.diloco import OuterSync, ring_bytes
+from hyla.train.strategies.fomoe import expert_placement, held_by, hold_experts, hold_experts_in
 from hyla.train.trainer import Trainer
 
 E = 8   # debug-moe's experts

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from hyla.model import HylaLM, preset
-from hyla.train.muon import Muon, newton_schulz, ns_flops, update_scale
-from hyla.train.param_groups import build_optimizers, split_params
+from hyla.train.optim.muon import Muon, newton_schulz, ns_flops, update_scale
+from hyla.train.optim.param_groups import build_optimizers, split_params
 
 SHAPES = [(64, 32), (32, 64), (48, 48), (16, 96), (96, 16)]
 

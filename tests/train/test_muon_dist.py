@@ -15,8 +15,8 @@ from hyla.train.comm import (
     rows_per_rank,
     shard_rows,
 )
-from hyla.train.muon import Muon
-from hyla.train.muon_dist import DistMuon
+from hyla.train.optim.dist_muon import DistMuon
+from hyla.train.optim.muon import Muon
 
 # Rows not divisible by 2 or 4 (padding), tall and wide, three of one shape (batched NS).
 SHAPES = [(10, 6), (7, 12), (16, 8), (16, 8), (16, 8), (24, 40), (3, 5)]
@@ -142,7 +142,7 @@ def test_bad_arguments():
 
 
 def test_muon_shapes_scale_keeps_ratios():
-    from hyla.train.muon_bench import muon_shapes
+    from hyla.train.optim.comm_bench import muon_shapes
 
     full, small = muon_shapes("laplace-3b"), muon_shapes("laplace-3b", 16)
     assert len(full) == len(small) == 240

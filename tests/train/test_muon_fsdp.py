@@ -16,11 +16,12 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from hyla.model import HylaLM, preset
 from hyla.model.formats.checkpoint import save_checkpoint
-from hyla.train import distributed, optim
 from hyla.train.comm import planned_traffic
 from hyla.train.config import TrainConfig
-from hyla.train.muon import Muon
-from hyla.train.muon_fsdp import ShardedMuon
+from hyla.train.optim import build as optim
+from hyla.train.optim.muon import Muon
+from hyla.train.optim.sharded_muon import ShardedMuon
+from hyla.train.strategies import fsdp
 from hyla.train.trainer import Trainer
 
 # Odd rows (uneven shards, an empty-ish one), tall and wide, three of one shape (batched NS).
@@ -44,7 +45,7 @@ def _grads(step):
 
 
 def _muon_check(rank, world):
-    mesh = distributed.device_mesh(world)
+    mesh = fsdp.device_mesh(world)
     ref = Mats()
     ref_opt = Muon(list(ref.w), lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
     for step in range(STEPS):
@@ -88,7 +89,7 @@ def _moe_run(root, name, **kw) -> TrainConfig:
 
 def test_sharded_muon_and_a_moe_model_at_two_ranks():
     patch = pytest.MonkeyPatch()
-    patch.setattr(distributed, "fast_low_precision_matmul", lambda *a, **k: False)
+    patch.setattr(fsdp, "fast_low_precision_matmul", lambda *a, **k: False)
     patch.setattr(optim, "fast_low_precision_matmul", lambda *a, **k: False)
     torch.set_num_threads(1)
     try:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from hyla.model import Context, HylaLM
-from hyla.train.distill_loss import chunked_vocab_kl, final_hidden, layer_transfer_loss
+from hyla.train.distill.losses import chunked_vocab_kl, final_hidden, layer_transfer_loss
 from hyla.train.objectives import Batch, LossObjective
 
 
@@ -35,7 +35,7 @@ class AttentionTransfer:
     Example:
         >>> import dataclasses
         >>> from hyla.model import preset
-        >>> from hyla.train.distill_init import build_student
+        >>> from hyla.train.distill.student import build_student
         >>> cfg = dataclasses.replace(preset("debug"), layers="AA")
         >>> teacher = HylaLM(cfg).requires_grad_(False)
         >>> objective = AttentionTransfer(teacher, build_student(teacher, "GA"), [0])
@@ -119,7 +119,7 @@ class Autocast:
 
 class VocabularyKL(LossObjective):
     """Stage 2: ``kl_weight * KL(teacher || student) + ce_weight * CE`` over the vocabulary,
-    ``chunk`` tokens at a time (:func:`~hyla.train.distill_loss.chunked_vocab_kl`).
+    ``chunk`` tokens at a time (:func:`~hyla.train.distill.losses.chunked_vocab_kl`).
 
     Metrics: ``loss``, ``kl`` and ``ce``.
 

@@ -1,7 +1,7 @@
 """FoMoE's partial expert replication: each expert on ``R`` of ``W`` workers, token skipping.
 
-``--strategy fomoe`` is DiLoCo's loop (:mod:`hyla.train.diloco`) in which a worker holds only
-some experts of every MoE layer:
+``--strategy fomoe`` is DiLoCo's loop (:mod:`hyla.train.strategies.diloco`) in which a worker
+holds only some experts of every MoE layer:
 
 - **placement** (:func:`expert_placement`): the ``E x R`` (expert, replica) slots are dealt
   round-robin to the workers, so expert ``e`` lives on the ``R`` consecutive ranks

@@ -14,8 +14,8 @@ A ``ckpt-<step>/`` directory holds:
 The directory is written under a hidden temporary name and renamed when complete (see
 :func:`hyla.train.checkpointing.publish`). A resume checks that every shard the metadata
 names is present and long enough before it trusts a checkpoint
-(:func:`hyla.train.dcp_files.check_dcp`); one that is not is skipped, naming the file, for
-the one before it.
+(:func:`hyla.train.checkpointing.safe_reader.check_dcp`); one that is not is skipped,
+naming the file, for the one before it.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hyla.model.formats.checkpoint import save_checkpoint
-from hyla.train.checkpointing import STATE, publish
-from hyla.train.dcp_files import DCP, SafeReader
-from hyla.train.distributed import barrier, reshard
+from hyla.train.checkpointing.atomic import STATE, publish
+from hyla.train.checkpointing.safe_reader import DCP, SafeReader
+from hyla.train.strategies.process_group import barrier, reshard
 
 KEPT_GROUP_KEYS = ("lr", "initial_lr")   # what the LR schedules change; the rest is config
 

@@ -1,6 +1,6 @@
 """Settings of a distillation run: one dataclass the ``hyla distill`` flags map onto.
 
-Fields a recipe sets (:mod:`hyla.train.distill_recipes`: ``window``, ``sinks``, ``lora_rank``,
+Fields a recipe sets (:mod:`hyla.train.distill.recipes`: ``window``, ``sinks``, ``lora_rank``,
 ``lr``, the steps, ``seq_len``, ``batch_size``, ``warmup_steps``) default to None, "from the
 recipe"; :meth:`DistillConfig.resolve` fills them (and makes ``layers`` concrete) once the
 teacher's depth is known. The resolved config is what a run saves and reports."""
@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from hyla.train.config import OPTIMIZERS
-from hyla.train.distill_recipes import get_recipe, resolve
+from hyla.train.distill.recipes import get_recipe, resolve
 
 AUTOCAST = ("auto", "bf16", "off")
 LAYER_RANKINGS = ("probes", "kl")
@@ -41,7 +41,7 @@ class DistillConfig:
     """
 
     teacher: str = ""  # a transformers directory (Llama/Mistral/Qwen2) or a hyla checkpoint
-    recipe: str = "window-gla"  # hyla.train.distill_recipes.RECIPES: fills the None fields
+    recipe: str = "window-gla"  # hyla.train.distill.recipes.RECIPES: fills the None fields
     # the student's layer mix, one letter per teacher layer; "auto" (auto:N, N a quarter of
     # the layers), "auto:N" (N attention layers chosen by the teacher), "linear" (none)
     layers: str = "auto"
@@ -129,7 +129,7 @@ class DistillConfig:
 
     def resolve(self, n_layers: int) -> DistillConfig:
         """This config for a teacher of ``n_layers`` layers: every None field from the recipe
-        (:func:`hyla.train.distill_recipes.resolve`), ``layers`` concrete (``auto`` ->
+        (:func:`hyla.train.distill.recipes.resolve`), ``layers`` concrete (``auto`` ->
         ``auto:N``, ``linear`` -> the recipe's letter everywhere), the report's sizes set.
         Idempotent."""
         cfg = resolve(self, n_layers)

@@ -14,7 +14,7 @@ measured on it, with two probes that have nothing to do with any benchmark:
 induction layers copy, early far-reaching layers gather what they copy from. With
 ``ranking="kl"`` it keeps instead the ``N`` layers whose softmax attention, put back alone
 into the all-linear student, removes the most vocabulary KL
-(:mod:`hyla.train.distill_kl_rank`).
+(:mod:`hyla.train.distill.kl_ranking`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from hyla.model import Context, HylaLM
-from hyla.train.teacher_hooks import mixer_inputs
+from hyla.train.distill.teacher_hooks import mixer_inputs
 
 
 def _probabilities(mixer, h, ctx, queries: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
@@ -94,7 +94,7 @@ def choose_layers(teacher: HylaLM, spec: str, probe: tuple | None = None, *, win
         - ``"probes"`` (default): taken in turn from the induction and the reach rankings
           (module doc); without ``probe`` (or one whose documents are no longer than the
           window), induction alone;
-        - ``"kl"``: the top ``N`` by :func:`hyla.train.distill_kl_rank.kl_layer_scores` on
+        - ``"kl"``: the top ``N`` by :func:`hyla.train.distill.kl_ranking.kl_layer_scores` on
           ``probe`` with a ``linear`` student of this ``window`` and ``sinks``; it needs
           ``probe``, and falls back to induction alone when the probe's documents are no
           longer than the window (the windowed student would be the teacher).
@@ -124,7 +124,7 @@ def choose_layers(teacher: HylaLM, spec: str, probe: tuple | None = None, *, win
     if probe is not None and int(Context.train(*probe).positions.max()) < window:
         probe = None                    # too short to see past the window: induction alone
     if ranking == "kl" and probe is not None:
-        from hyla.train.distill_kl_rank import kl_layer_scores
+        from hyla.train.distill.kl_ranking import kl_layer_scores
 
         scores = kl_layer_scores(teacher, [probe], window=window, sinks=sinks, linear=linear)
         keep = sorted(range(n), key=lambda i: -scores[i])[:int(count)]

@@ -1,7 +1,7 @@
 """Measure distributed Muon's traffic: W local gloo processes, both strategies, one preset.
 
 Each rank builds the preset's Muon matrices (widths divided by ``width_divisor``: the run
-scale), runs :class:`~hyla.train.muon_dist.DistMuon` with random gradient slices, and reports
+scale), runs :class:`~hyla.train.optim.dist_muon.DistMuon` with random gradient slices, and reports
 the bytes its collectives moved and the Newton-Schulz FLOPs it did, per step. The same counts
 for the unscaled preset come from :func:`hyla.train.comm.planned_traffic`, which the run
 checks against its own measurement (``matches_plan``).
@@ -37,7 +37,7 @@ def muon_shapes(preset_name: str, width_divisor: int = 1) -> list[tuple[int, int
         (240, (96, 192))
     """
     from hyla.model import HylaLM, preset
-    from hyla.train.param_groups import split_params
+    from hyla.train.optim.param_groups import split_params
 
     cfg = preset(preset_name)
     if not isinstance(width_divisor, int) or width_divisor < 1:
@@ -59,7 +59,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, shapes: list, s
     import torch.distributed as dist
 
     from hyla.train.comm import rows_per_rank
-    from hyla.train.muon_dist import DistMuon
+    from hyla.train.optim.dist_muon import DistMuon
 
     torch.set_num_threads(1)  # W processes share the machine's cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,

@@ -1,4 +1,5 @@
-"""DiLoCo (``--strategy diloco``) and FoMoE's (``--strategy fomoe``) outer loop.
+"""DiLoCo (``--strategy diloco``) and FoMoE (``--strategy fomoe``): their outer loop and the
+two strategies.
 
 Every worker trains its own copy (no FSDP) with the usual inner optimizers (Muon + AdamW, or
 AdamW) on its share of the global batch. Every ``--sync-every H`` steps (and at the last step)
@@ -11,7 +12,7 @@ momentum 0 the anchor becomes the workers' mean, which, with a linear inner opti
 no clipping), is exactly a data-parallel step.
 
 Sync groups: a *unit* is a set of tensors averaged over one set of ranks. DiLoCo has one unit
-(every parameter, all W ranks). FoMoE (:mod:`hyla.train.fomoe`) has the shared parameters
+(every parameter, all W ranks). FoMoE (:mod:`hyla.train.strategies.fomoe`) has the shared parameters
 over all W ranks, plus one unit per distinct holder set of experts, averaged over a process
 group of just those ranks (``dist.new_group``; experts held once are not sent at all). Each
 unit is one flat all-reduce.
@@ -40,8 +41,17 @@ from torch import nn
 
 from hyla.model.formats.checkpoint import step_dirs
 from hyla.train.comm import CommCounter
-from hyla.train.fomoe import HeldExperts
-from hyla.train.optim import run_optimizers
+from hyla.train.optim.build import run_optimizers
+from hyla.train.strategies.base import Strategy
+from hyla.train.strategies.fomoe import (
+    HeldExperts,
+    expert_placement,
+    full_param_bytes,
+    held_by,
+    hold_experts,
+    require_moe,
+)
+from hyla.train.strategies.process_group import broadcast_parameters, per_rank
 
 CATEGORY = "outer_sync"
 
@@ -71,12 +81,12 @@ class OuterSync:
     """The outer loop of DiLoCo / FoMoE over ``model`` (see the module docstring).
 
     Args:
-        model: this worker's model (with :class:`~hyla.train.fomoe.HeldExperts` layers
+        model: this worker's model (with :class:`~hyla.train.strategies.fomoe.HeldExperts` layers
             under FoMoE; their rows follow ``placement``).
         every: inner steps between syncs (``--sync-every``); ``last``: also sync at this step.
         lr, momentum: the outer SGD (Nesterov when ``momentum > 0``).
-        placement: FoMoE's holders of each expert (:func:`~hyla.train.fomoe.expert_placement`),
-            None for DiLoCo.
+        placement: FoMoE's holders of each expert
+            (:func:`~hyla.train.strategies.fomoe.expert_placement`), None for DiLoCo.
         counter: counts the bytes sent (category ``"outer_sync"``).
         timeout: seconds the pre-sync barrier waits for a silent rank.
 
@@ -232,45 +242,85 @@ def silent_ranks(tag, wait: float) -> list[int] | None:
         return None
 
 
-def fomoe_placement(model: nn.Module, cfg, world: int) -> list[list[int]]:
-    """``--strategy fomoe``'s placement for ``model`` on ``world`` workers (checked at any
-    world size, one process included: ValueError without MoE layers or for a bad
-    ``--expert-replicas``)."""
-    from hyla.train.fomoe import expert_placement, require_moe
+class Diloco(Strategy):
+    """``--strategy diloco``: a full copy a rank, its own inner optimizers, the
+    :class:`OuterSync` every ``--sync-every`` steps and after the last, per-rank checkpoints
+    (:mod:`hyla.train.checkpointing.replicas`) that resume at the same world size."""
 
-    experts = require_moe(model)[0].opts.num_experts
-    return expert_placement(experts, world, cfg.expert_replicas or world)
+    name = "diloco"
+
+    @staticmethod
+    def timeout(cfg) -> float | None:
+        return cfg.sync_timeout
+
+    def placement(self, model: nn.Module) -> list[list[int]] | None:
+        """Which ranks hold each expert (FoMoE); None: every rank holds everything."""
+        return None
+
+    def prepare(self, model, device, counter):
+        broadcast_parameters(model)
+        placement = self.placement(model)
+        optimizers = run_optimizers(model, self.cfg)
+        cfg = self.cfg
+        self.sync = OuterSync(model, every=cfg.sync_every, lr=cfg.outer_lr,
+                              momentum=cfg.outer_momentum, last=cfg.steps,
+                              placement=placement, counter=counter, timeout=cfg.sync_timeout)
+        return optimizers
+
+    def restore(self, model, optimizers, schedulers, state) -> None:
+        from hyla.train.checkpointing.replicas import restore_replicas
+
+        restore_replicas(model, optimizers, schedulers, self.sync, state, rank=self.rank,
+                         world=self.world, strategy=self.name)
+
+    def loop_hooks(self) -> dict:
+        from hyla.train.checkpointing.replicas import save_replicas_checkpoint
+
+        return {"after_step": self.sync.after_step,
+                "save_fn": lambda loop, target: save_replicas_checkpoint(loop, target,
+                                                                         self.sync)}
+
+    def fit(self, loop, progress: bool) -> dict:
+        try:
+            return loop.fit(progress=progress)
+        except (RuntimeError, dist.DistError) as e:   # a rank went silent
+            raise stopped(e, loop.step, loop.out, self.cfg.sync_timeout) from e
+
+    def report(self, model, optimizers) -> dict:
+        """Every rank computes the same (the placement is deterministic)."""
+        cfg, sync = self.cfg, self.sync
+        report = super().report(model, optimizers)
+        report.update(sync_every=cfg.sync_every, outer_lr=cfg.outer_lr,
+                      outer_momentum=cfg.outer_momentum, syncs=sync.syncs,
+                      param_bytes_total=full_param_bytes(model),
+                      sync_bytes_per_sync=per_rank(sync.sync_bytes(), self.world))
+        return report
 
 
-def replica_strategy(model: nn.Module, cfg, rank: int, world: int,
-                     counter: CommCounter) -> tuple[OuterSync, list[torch.optim.Optimizer]]:
-    """Set up ``cfg.strategy`` (diloco or fomoe) on this rank: under FoMoE keep only the held
-    experts (:func:`~hyla.train.fomoe.hold_experts`); the inner optimizers (one process's:
-    :func:`~hyla.train.optim.run_optimizers`) and the :class:`OuterSync`. Collective (the
-    sync groups). ValueError for a FoMoE placement that does not fit."""
-    from hyla.train.fomoe import hold_experts
+class Fomoe(Diloco):
+    """``--strategy fomoe``: DiLoCo where each expert lives on ``--expert-replicas`` of the
+    ranks (:mod:`hyla.train.strategies.fomoe`), synced over just those."""
 
-    placement = None
-    if cfg.strategy == "fomoe":
-        placement = fomoe_placement(model, cfg, world)
-        hold_experts(model, placement, rank, token_skipping=cfg.token_skipping)
-    optimizers = run_optimizers(model, cfg)
-    sync = OuterSync(model, every=cfg.sync_every, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-                     last=cfg.steps, placement=placement, counter=counter,
-                     timeout=cfg.sync_timeout)
-    return sync, optimizers
+    name = "fomoe"
 
+    @classmethod
+    def check(cls, model, cfg, world) -> None:
+        cls._placement(model, cfg, world)
 
-def replica_report(sync: OuterSync, cfg, model: nn.Module) -> dict:
-    """``run.json``'s ``parallel`` fields of a diloco / fomoe run (every rank computes the
-    same: the placement is deterministic)."""
-    from hyla.train.fomoe import full_param_bytes, held_by
+    @staticmethod
+    def _placement(model: nn.Module, cfg, world: int) -> list[list[int]]:
+        experts = require_moe(model)[0].opts.num_experts
+        return expert_placement(experts, world, cfg.expert_replicas or world)
 
-    report = {"sync_every": cfg.sync_every, "outer_lr": cfg.outer_lr,
-              "outer_momentum": cfg.outer_momentum, "syncs": sync.syncs,
-              "param_bytes_total": full_param_bytes(model)}
-    if sync.placement is not None:
-        report.update(expert_replicas=len(sync.placement[0]), token_skipping=cfg.token_skipping,
-                      placement=sync.placement,
-                      experts_held=[held_by(sync.placement, r) for r in range(sync.world)])
-    return report
+    def placement(self, model: nn.Module) -> list[list[int]]:
+        placement = self._placement(model, self.cfg, self.world)
+        hold_experts(model, placement, self.rank, token_skipping=self.cfg.token_skipping)
+        return placement
+
+    def report(self, model, optimizers) -> dict:
+        report = super().report(model, optimizers)
+        placement = self.sync.placement
+        report.update(expert_replicas=len(placement[0]), token_skipping=self.cfg.token_skipping,
+                      placement=placement,
+                      experts_held=[held_by(placement, r) for r in range(self.world)])
+        return report

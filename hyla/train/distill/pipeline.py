@@ -2,7 +2,7 @@
 
 1. Attention transfer: the teacher is frozen; every student layer that differs from it
    (``G`` layers, ``A`` layers with fewer KV heads) is trained on the teacher's own hidden
-   states to reproduce that teacher layer (:func:`hyla.train.distill_loss.layer_transfer_loss`:
+   states to reproduce that teacher layer (:func:`hyla.train.distill.losses.layer_transfer_loss`:
    normalised output MSE, plus StreamKL on attention distributions for compressed ``A``
    layers). Layers are independent: each backward reaches one layer, and only one layer's
    graph lives at a time, so long sequences fit.
@@ -15,8 +15,8 @@ A run directory looks like a training run's: ``metrics.jsonl`` (``stage``, ``ste
 stage 1). ``hyla generate|eval|serve`` load it; ``resume=`` continues exactly.
 
 The loop is :class:`hyla.train.loop.Loop`; the stages are its objectives
-:class:`~hyla.train.distill_objectives.AttentionTransfer` and
-:class:`~hyla.train.distill_objectives.VocabularyKL`.
+:class:`~hyla.train.distill.objectives.AttentionTransfer` and
+:class:`~hyla.train.distill.objectives.VocabularyKL`.
 """
 
 from __future__ import annotations
@@ -42,22 +42,22 @@ from hyla.train.checkpointing import (
     run_dir_of,
 )
 from hyla.train.config import wsd_lr_factor
-from hyla.train.distill_config import DistillConfig
-from hyla.train.distill_init import (
-    build_student,
-    calibrate_student,
-    probe_block,
-    transfer_layers,
-)
-from hyla.train.distill_layers import choose_layers
-from hyla.train.distill_objectives import (
+from hyla.train.distill.config import DistillConfig
+from hyla.train.distill.layer_ranking import choose_layers
+from hyla.train.distill.objectives import (
     AttentionTransfer,
     Autocast,
     VocabularyKL,
     autocast_dtype,
     new_parameters,
 )
-from hyla.train.distill_recipes import get_recipe
+from hyla.train.distill.recipes import get_recipe
+from hyla.train.distill.student import (
+    build_student,
+    calibrate_student,
+    probe_block,
+    transfer_layers,
+)
 from hyla.train.loop import Loop, Stage
 from hyla.train.lora import add_lora, has_lora, lora_parameters, merge_lora
 from hyla.train.objectives import validation_loss
@@ -416,7 +416,7 @@ class Distiller:
         ``stage2``; ``validation`` apart) and is printed. At the end of the run, LoRA
         adapters are merged into the weights of the last checkpoint (an ordinary model from
         then on) and, unless ``report_tokens`` is 0, ``report.json`` is written
-        (:func:`hyla.train.distill_report.write_report`)."""
+        (:func:`hyla.train.distill.report.write_report`)."""
         start = time.perf_counter()
         end = self.total_steps if until is None else min(until, self.total_steps)
         record: dict = {}
@@ -433,7 +433,7 @@ class Distiller:
                 merge_lora(self.model)
                 save_checkpoint(self.model, self.out / f"ckpt-{self.step:06d}", self.tokenizer)
             if self.cfg.report_tokens:
-                from hyla.train.distill_report import write_report
+                from hyla.train.distill.report import write_report
 
                 train_seconds = time.perf_counter() - start
                 with self._phase("report"):
@@ -445,7 +445,7 @@ class Distiller:
 
 def report_forward_tokens(cfg: DistillConfig) -> int:
     """Tokens one model reads in ``report.json``'s perplexity and passkey tests."""
-    from hyla.train.distill_report import report_lengths
+    from hyla.train.distill.report import report_lengths
 
     ppl, passkey = report_lengths(cfg)
     return (sum(max(cfg.report_tokens, n) for n in ppl)

@@ -3,7 +3,7 @@
 FSDP2 cuts a matrix ``[A, B]`` along dim 0 the way ``torch.chunk`` does: rank ``r`` holds rows
 ``[r*s, min((r+1)*s, A))`` with ``s = ceil(A / W)``, which is exactly
 :func:`hyla.train.comm.row_range`. So the reduce-scattered gradient FSDP leaves in
-``p.grad.to_local()`` is the row slice :class:`~hyla.train.muon_dist.DistMuon` works on: the
+``p.grad.to_local()`` is the row slice :class:`~hyla.train.optim.dist_muon.DistMuon` works on: the
 momentum is updated on the slice (elementwise), every matrix goes whole to one owner rank
 (``assign_owners``: largest first, to the least loaded rank) with one all-to-all, the owner
 runs Newton-Schulz, and one all-to-all brings every rank its rows of the update. Each rank
@@ -21,8 +21,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from hyla.train.comm import row_range
-from hyla.train.muon import momentum_update, update_scale
-from hyla.train.muon_dist import DistMuon
+from hyla.train.optim.dist_muon import DistMuon
+from hyla.train.optim.muon import momentum_update, update_scale
 
 
 def local(t: Tensor) -> Tensor:
@@ -41,7 +41,7 @@ class ShardedMuon(DistMuon):
 
     ``params`` are ``DTensor`` matrices with placement ``Shard(0)`` on a one-dimensional mesh
     whose process group is ``group`` (plain tensors work too, as on one rank). Keyword
-    arguments are :class:`~hyla.train.muon_dist.DistMuon`'s (``strategy``, ``lr``,
+    arguments are :class:`~hyla.train.optim.dist_muon.DistMuon`'s (``strategy``, ``lr``,
     ``momentum``, ``weight_decay``, ``ns_dtype``, ``comm_dtype``...); ``counter`` holds the
     bytes this rank sent and received, ``comm_per_step()`` their mean per step.
 

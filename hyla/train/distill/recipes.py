@@ -1,6 +1,6 @@
 """Named distillation recipes: what ``hyla distill --recipe NAME`` builds and how it trains.
 
-A recipe fills every :class:`~hyla.train.distill_config.DistillConfig` field the user left at
+A recipe fills every :class:`~hyla.train.distill.config.DistillConfig` field the user left at
 ``None`` ("from the recipe"); an explicit flag overrides that one part. The default,
 ``window-gla``, is the measured recipe of docs/distillation.md (SmolLM2-135M: held-out
 perplexity 0.99x the teacher's at 2,048 tokens, passkey kept, 21 minutes on 2 CPU cores):

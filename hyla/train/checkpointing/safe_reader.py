@@ -1,6 +1,6 @@
 """The files of a DCP checkpoint (``ckpt-<step>/dcp/``): checking them before a resume
 trusts them, and reading DCP's pickled ``.metadata`` without running arbitrary code. Kept
-apart from :mod:`hyla.train.dist_checkpoint` so that the checkpoint loader can check a
+apart from :mod:`hyla.train.checkpointing.dcp` so that the checkpoint loader can check a
 checkpoint without importing the writer (which imports the loader)."""
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from hyla.train.comm import (
     rows_per_rank,
     shard_rows,
 )
-from hyla.train.muon import (
+from hyla.train.optim.muon import (
     NS_EPS,
     check_hyperparameters,
     momentum_update,

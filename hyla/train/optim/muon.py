@@ -10,7 +10,7 @@ The update of a matrix ``W [A, B]`` with gradient ``G`` is (``torch.optim.Muon``
 
 The 0.2 * sqrt(max(A, B)) factor gives O the RMS of a typical AdamW update (Moonshot's "Muon is
 Scalable for LLM Training"), so Muon can reuse AdamW's learning rate and weight decay.
-:mod:`hyla.train.muon_dist` runs the same update with gradients sharded across ranks.
+:mod:`hyla.train.optim.dist_muon` runs the same update with gradients sharded across ranks.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Muon(torch.optim.Optimizer):
 
     ``ns_dtype`` is the Newton-Schulz precision: bf16 (the default, as ``torch.optim.Muon``)
     or float32 for exact comparisons. Route embeddings, the output head, norms and biases to
-    AdamW, e.g. with :func:`hyla.train.param_groups.build_optimizers`.
+    AdamW, e.g. with :func:`hyla.train.optim.param_groups.build_optimizers`.
 
     Example:
         >>> w = torch.nn.Parameter(torch.randn(32, 16))

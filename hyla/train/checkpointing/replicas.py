@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from hyla.model.formats.checkpoint import save_checkpoint
-from hyla.train.checkpointing import STATE, publish
-from hyla.train.distributed import barrier
-from hyla.train.fomoe import HeldExperts, held_by
+from hyla.train.checkpointing.atomic import STATE, publish
+from hyla.train.strategies.fomoe import HeldExperts, held_by
+from hyla.train.strategies.process_group import barrier
 
 FORMAT = "replicas"
 
@@ -70,8 +70,9 @@ def consolidated(model: torch.nn.Module, sync, world: int) -> dict | None:
 
 def save_replicas_checkpoint(loop, target: pathlib.Path, sync) -> pathlib.Path:
     """Write ``target`` from every rank (collective); see the module docstring. ``loop`` is
-    the :class:`~hyla.train.loop.Loop`, ``sync`` its :class:`~hyla.train.diloco.OuterSync`."""
-    from hyla.train.dist_checkpoint import _Weights
+    the :class:`~hyla.train.loop.Loop`, ``sync`` its
+    :class:`~hyla.train.strategies.diloco.OuterSync`."""
+    from hyla.train.checkpointing.dcp import _Weights
 
     rank, world = loop.rank, loop.world
     tmp = target.with_name(f".{target.name}.tmp")

@@ -1,25 +1,13 @@
-"""Training over ``torch.distributed``: what the Trainer does differently at W > 1.
+"""The process group under a training run at W > 1, whatever the strategy: starting it
+(``torchrun``'s environment, or a group a test set up), each rank's device and its share of
+the data, and the small collectives the loop needs (a loss averaged over ranks, a count per
+rank, gradient clipping on sharded gradients).
 
-Launched by ``torchrun --nproc-per-node W`` (or inside a process group a test set up), each
-rank builds the same model from the same seed and, with ``--strategy fsdp`` (the default):
-
-- shards it with FSDP2: ``fully_shard`` on every block, then on the whole model (embedding,
-  final norm, head), over a one-dimensional :class:`~torch.distributed.device_mesh.DeviceMesh`
-  (gloo on CPU, nccl on CUDA). Parameters, gradients and optimizer state are ``DTensor`` row
-  shards: each rank holds about 1/W of each. FSDP all-gathers a block's parameters for its
-  forward and backward and reduce-scatters (averages) its gradients;
-- reads its own micro-batches: micro-batch ``a`` of a step on rank ``r`` is the stream's
-  micro-batch ``a * W + r`` (``batch_size`` consecutive blocks). A step consumes the same
-  ``W x batch_size x grad_accum`` blocks at every world size, so a checkpoint resumes at
-  another W (with ``grad_accum`` scaled) on the same data, and all ranks share one position;
-- updates the hidden matrices with :class:`~hyla.train.muon_fsdp.ShardedMuon` (whole matrices
-  at owner ranks, two all-to-alls) and the rest with AdamW on the shards;
-- saves checkpoints with ``torch.distributed.checkpoint`` (see
-  :mod:`hyla.train.dist_checkpoint`), every rank its shards, plus a consolidated model.
-
-``--strategy diloco`` and ``fomoe`` keep a full (FoMoE: all but the experts held elsewhere)
-copy a rank and sync every H steps instead: :mod:`hyla.train.diloco`,
-:mod:`hyla.train.fomoe`.
+Data: micro-batch ``a`` of a step on rank ``r`` is the stream's micro-batch ``a * W + r``
+(``batch_size`` consecutive blocks, :class:`StridedBlocks`). A step consumes the same
+``W x batch_size x grad_accum`` blocks at every world size, so a checkpoint resumes at another
+W (with ``grad_accum`` scaled: :func:`resume_batch`) on the same data, and all ranks share one
+position. What each strategy does with the ranks: :mod:`hyla.train.strategies`.
 """
 
 from __future__ import annotations
@@ -32,15 +20,9 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from hyla.ops.hardware import fast_low_precision_matmul
-from hyla.train.comm import CommCounter, count_fsdp_traffic
 from hyla.train.config import TrainConfig
-from hyla.train.muon_fsdp import ShardedMuon
-from hyla.train.param_groups import split_params
 
 
 def setup(timeout: float | None = None) -> tuple[int, int]:
@@ -151,74 +133,15 @@ class StridedBlocks:
         return {**self.inner.position(), "world_size": self.world}
 
 
-def device_mesh(world: int, device: torch.device | str = "cpu") -> DeviceMesh:
-    """The one-dimensional ``("dp",)`` mesh of all ranks on ``device``'s type."""
-    return init_device_mesh(torch.device(device).type, (world,), mesh_dim_names=("dp",))
-
-
-def mixed_precision(cfg: TrainConfig, device: torch.device | str) -> MixedPrecisionPolicy:
-    """bf16 parameters for compute and fp32 gradient reduction with ``--precision bf16`` where
-    bf16 matmuls are fast; fp32 throughout otherwise (emulated bf16 costs ~100x on CPUs
-    without AMX/AVX512-BF16).
-
-    Example:
-        >>> mixed_precision(TrainConfig(), "cpu").param_dtype is None
-        True
-    """
-    if cfg.precision == "bf16" and fast_low_precision_matmul(torch.bfloat16, device):
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
-
-
-def shard_model(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh,
-                counter: CommCounter | None = None) -> torch.nn.Module:
-    """FSDP2: ``fully_shard`` each of ``model.blocks``, then ``model`` (in place; returned).
-
-    A block is the unit FSDP gathers and frees, so at most about one block's full parameters
-    live at once besides the shards. Activation checkpointing (the model's own, per block)
-    recomputes inside FSDP's gathered block. ``counter`` counts FSDP's all-gathers and
-    reduce-scatters under ``"fsdp"``.
-    """
-    device = next(model.parameters()).device
-    policy = mixed_precision(cfg, device)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    if counter is not None:
-        count_fsdp_traffic(model, counter)
-    return model
-
-
 def reshard(model: torch.nn.Module) -> None:
-    """Put FSDP2 modules back to their shards. A forward without backward (validation) leaves
-    the root's parameters gathered, and the optimizers and checkpoints address the shards."""
+    """Put FSDP2 modules back to their shards (nothing to do without them). A forward
+    without backward (validation) leaves the root's parameters gathered, and the optimizers
+    and checkpoints address the shards."""
     from torch.distributed.fsdp import FSDPModule
 
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
-
-
-def build_optimizers(model: torch.nn.Module, cfg: TrainConfig,
-                     mesh: DeviceMesh) -> list[torch.optim.Optimizer]:
-    """The sharded counterpart of :func:`~hyla.train.optim.run_optimizers` (same order and
-    hyperparameters): ShardedMuon + AdamW, or AdamW alone, on the FSDP shards."""
-    if cfg.optimizer == "adamw":
-        return [torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                                  weight_decay=cfg.weight_decay)]
-    device = next(model.parameters()).device
-    ns_dtype = (torch.bfloat16 if fast_low_precision_matmul(torch.bfloat16, device)
-                else torch.float32)
-    muon_params, adamw_params = split_params(model)   # 3-D MoE experts go to AdamW
-    muon = ShardedMuon([p for _, p in muon_params], strategy=cfg.muon_strategy,
-                       group=mesh.get_group(), lr=cfg.muon_lr, momentum=0.95,
-                       weight_decay=cfg.weight_decay, ns_dtype=ns_dtype)
-    decay = [p for _, p in adamw_params if p.ndim >= 2]
-    no_decay = [p for _, p in adamw_params if p.ndim < 2]
-    adamw = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                               {"params": no_decay, "weight_decay": 0.0}],
-                              lr=cfg.lr, betas=(0.9, 0.95))
-    return [muon, adamw]
 
 
 def mean_over_ranks(value: float, world: int) -> float:

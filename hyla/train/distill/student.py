@@ -102,7 +102,7 @@ def calibrate_student(teacher: HylaLM, student: HylaLM, transfer: list[int], cfg
     attention on one training block of ``cfg.stage1_len`` tokens; returns what each layer
     took, by layer index. Layers without ``calibrate`` are left alone."""
     from hyla.model import Context
-    from hyla.train.teacher_hooks import mixer_inputs
+    from hyla.train.distill.teacher_hooks import mixer_inputs
 
     layers = [i for i in transfer if hasattr(student.blocks[i].mixer, "calibrate")]
     if not layers:

@@ -6,7 +6,7 @@ import torch
 
 from hyla.ops.hardware import fast_low_precision_matmul
 from hyla.train.config import TrainConfig
-from hyla.train.param_groups import build_optimizers
+from hyla.train.optim.param_groups import build_optimizers
 
 
 def run_optimizers(model: torch.nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimizer]:

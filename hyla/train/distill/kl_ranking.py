@@ -1,6 +1,6 @@
 """A KL-guided ranking of the teacher's layers for ``--layers auto:N --layer-ranking kl``.
 
-The induction and reach probes (:mod:`hyla.train.distill_layers`) guess which layers a
+The induction and reach probes (:mod:`hyla.train.distill.layer_ranking`) guess which layers a
 student needs as softmax attention from the teacher's attention patterns. This ranking reads
 the objective distillation minimises instead (the KL-guided layer selection of fla-org's
 hybrid distillation work):
@@ -30,7 +30,7 @@ import contextlib
 import torch
 
 from hyla.model import Context, HylaLM
-from hyla.train.distill_init import build_student, transfer_layers
+from hyla.train.distill.student import build_student, transfer_layers
 
 
 @torch.no_grad()
@@ -38,8 +38,8 @@ def linear_student(teacher: HylaLM, block: tuple, *, window: int, sinks: int,
                    linear: str = "G") -> HylaLM:
     """The all-linear student (every layer ``linear``, windowed) built from ``teacher`` and
     calibrated on ``block`` = ``(ids [1, T], cu_seqlens)`` as distillation calibrates its
-    students (:func:`hyla.train.distill_init.calibrate_student`), in eval mode."""
-    from hyla.train.teacher_hooks import mixer_inputs
+    students (:func:`hyla.train.distill.student.calibrate_student`), in eval mode."""
+    from hyla.train.distill.teacher_hooks import mixer_inputs
 
     student = build_student(teacher, linear * teacher.cfg.n_layers, window=window,
                             sinks=sinks).eval()
