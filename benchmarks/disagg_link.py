@@ -37,8 +37,8 @@ import httpx
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hyla.disagg.live.netlab import NetLab  # noqa: E402
-from hyla.disagg.live.netlab_cluster import LabCluster, drive, p90  # noqa: E402
+from hyla.disagg.live.netlab.cluster import LabCluster, drive, p90  # noqa: E402
+from hyla.disagg.live.netlab.hosts import NetLab  # noqa: E402
 from hyla.perf import print_table, write_results  # noqa: E402
 
 TOKENS, OUT = 800, 8

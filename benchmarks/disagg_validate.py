@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from disagg_live import _request  # noqa: E402
 
 from hyla.disagg.live.cluster import ClusterSpec, free_port, launch  # noqa: E402
-from hyla.disagg.live.router import live_policy  # noqa: E402
+from hyla.disagg.live.router.core import live_policy  # noqa: E402
 from hyla.disagg.sim.hardware import InstanceProfile, spec_from_config  # noqa: E402
 from hyla.disagg.sim.model import Deployment, Sim, SimConfig  # noqa: E402
 from hyla.disagg.sim.workload import Request, describe, load_trace  # noqa: E402

@@ -28,7 +28,7 @@ source, nor the README's evaluation text, the stdlib validation split and the li
 question: a paragraph's opening sentences, answer: the sentence that follows, distractors:
 the next sentences of other paragraphs, of similar length. The teacher's accuracy (``acc``,
 and ``acc_norm`` by bytes) beside each student's, through lm-eval in process, and the
-recall-by-load curve (hyla.eval.recall_text) of each. ``--collect`` adds them for the runs
+recall-by-load curve (hyla.eval.recall.text) of each. ``--collect`` adds them for the runs
 of ``--work``; ``--skills-only DIR...`` measures existing student run directories (any
 ``load_model`` source) without distilling and writes ``distill_smollm2_skills.json``.
 
@@ -115,7 +115,7 @@ def model_skills(source, task_dir: pathlib.Path, recall_pairs=RECALL_PAIRS,
                  limit: int | None = None) -> dict:
     """Multiple-choice accuracy and the recall-by-load curve of one model, with seconds."""
     from hyla.eval.compare import skill_scores
-    from hyla.eval.recall_text import text_recall
+    from hyla.eval.recall.text import text_recall
     from hyla.model.load import load_model
 
     start = time.perf_counter()

@@ -1,6 +1,6 @@
 """Recall by load, teacher against its distilled students (issue 33, part 3).
 
-Text key-value recall (:mod:`hyla.eval.recall_text`: ``" The code of Kobi is 4821."`` facts,
+Text key-value recall (:mod:`hyla.eval.recall.text`: ``" The code of Kobi is 4821."`` facts,
 then ``" The code of Kobi is"``, exact match of the greedy answer) for the SmolLM2-135M
 teacher and each student that ``benchmarks/distill_smollm2.py`` (or a shorter run of the same
 recipe) left in ``--work``, beside each student's held-out perplexity and passkey from its
@@ -26,8 +26,8 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hyla.eval.recall_plot import plot_recall, write_recall  # noqa: E402
-from hyla.eval.recall_text import PAIRS, text_recall  # noqa: E402
+from hyla.eval.recall.plots import plot_recall, write_recall  # noqa: E402
+from hyla.eval.recall.text import PAIRS, text_recall  # noqa: E402
 from hyla.model.load import load_model  # noqa: E402
 from hyla.perf import machine_info  # noqa: E402
 

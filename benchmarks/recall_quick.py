@@ -27,8 +27,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hyla.eval.recall import best_records, recall_preset, run_recall  # noqa: E402
-from hyla.eval.recall_plot import plot_recall, write_recall  # noqa: E402
+from hyla.eval.recall.plots import plot_recall, write_recall  # noqa: E402
+from hyla.eval.recall.synthetic import best_records, recall_preset, run_recall  # noqa: E402
 from hyla.perf import machine_info  # noqa: E402
 
 

@@ -373,7 +373,7 @@ def test_distill_refuses_a_teacher_it_cannot_start_from(capsys, tmp_path, family
 
 
 def test_generation_config_end_ids_are_read(family_dirs):
-    from hyla.model.formats.hf_tokenizer import load_hf_tokenizer
+    from hyla.model.formats.hf.tokenizer import load_hf_tokenizer
 
     path = family_dirs["qwen3_next"][1]
     gen = path / "generation_config.json"

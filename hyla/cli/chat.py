@@ -75,7 +75,7 @@ class Conversation:
                  seed: int = 0):
         import torch
 
-        from hyla.serve.api_format import render_chat
+        from hyla.serve.api.format import render_chat
 
         self.model, self.tok, self.system = model, tok, system
         self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}

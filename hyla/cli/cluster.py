@@ -160,8 +160,8 @@ def cmd_role(args: argparse.Namespace, out: Console) -> int:
                                             log_level=args.log_level,
                                             timeout_graceful_shutdown=3))
     if args.role == "router":
-        from hyla.disagg.live.router import LiveRouter, LiveRouterConfig, live_policy
-        from hyla.disagg.live.router_app import create_router_app
+        from hyla.disagg.live.router.app import create_router_app
+        from hyla.disagg.live.router.core import LiveRouter, LiveRouterConfig, live_policy
 
         if not args.decode_workers:
             raise ValueError("--role router needs --decode-workers URL[,URL...]")
@@ -190,7 +190,7 @@ def cmd_role(args: argparse.Namespace, out: Console) -> int:
         torch.set_num_threads(args.threads)
     model, tok, name = load_model(args, out)
     if args.role == "prefill":
-        from hyla.disagg.live.worker_prefill import PrefillService, create_prefill_app
+        from hyla.disagg.live.worker.prefill import PrefillService, create_prefill_app
 
         # It ships states only to the decode workers the router registers (none until then).
         svc = PrefillService(model, max_model_len=args.max_model_len,
@@ -205,7 +205,7 @@ def cmd_role(args: argparse.Namespace, out: Console) -> int:
             svc.close()
         return 0
 
-    from hyla.disagg.live.worker_decode import build_decode_worker
+    from hyla.disagg.live.worker.decode import build_decode_worker
     from hyla.serve.engine import EngineConfig
 
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,

@@ -131,8 +131,8 @@ def cmd_eval_recall(args: argparse.Namespace, out: Console) -> int:
         raise ValueError(f"--quantize {args.quantize}: the synthetic recall sweep trains its "
                          "models, and quantised weights are for inference only; use it with "
                          "--checkpoint")
-    from hyla.eval.recall import best_records, recall_preset, run_recall
-    from hyla.eval.recall_plot import plot_recall, write_recall
+    from hyla.eval.recall.plots import plot_recall, write_recall
+    from hyla.eval.recall.synthetic import best_records, recall_preset, run_recall
     from hyla.perf import machine_info, print_table
 
     p = recall_preset(args.preset)
@@ -161,11 +161,11 @@ def cmd_eval_recall(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_text_recall(args: argparse.Namespace, out: Console) -> int:
-    """``hyla eval recall --checkpoint``: text key-value recall by load (hyla.eval.recall_text)."""
+    """``hyla eval recall --checkpoint``: text key-value recall by load (hyla.eval.recall.text)."""
     import time
 
-    from hyla.eval.recall_plot import plot_recall, write_recall
-    from hyla.eval.recall_text import text_recall
+    from hyla.eval.recall.plots import plot_recall, write_recall
+    from hyla.eval.recall.text import text_recall
     from hyla.model.load import load_model as load_source
     from hyla.model.load import model_name
     from hyla.perf import machine_info, print_table
@@ -412,7 +412,7 @@ def cmd_compare(args: argparse.Namespace, out: Console) -> int:
                 f"{r['teacher']['name']}", compare_rows(r), console=out)
     wrote = [folder / "compare.json"]
     if r["recall"]:
-        from hyla.eval.recall_plot import plot_recall
+        from hyla.eval.recall.plots import plot_recall
 
         wrote += plot_recall(r["teacher"]["recall"] + r["student"]["recall"], folder,
                              title="key-value recall in text: teacher and student")

@@ -185,7 +185,7 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
     import torch
     import uvicorn
 
-    from hyla.serve.api import create_app
+    from hyla.serve.api.app import create_app
     from hyla.serve.async_engine import AsyncEngine
     from hyla.serve.engine import Engine, EngineConfig
     from hyla.serve.http_guard import ServerLimits, server_config

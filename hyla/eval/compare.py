@@ -3,7 +3,7 @@
 Perplexity and passkey retrieval (:func:`hyla.eval.model_report.model_report`), accuracy on
 ``lm-eval`` tasks (:func:`skill_scores`, installed tasks by name or local YAML tasks under
 ``include_path``) and the recall-by-load curve of key-value pairs written as text
-(:func:`hyla.eval.recall_text.text_recall`), for two models, with the student's figure over
+(:func:`hyla.eval.recall.text.text_recall`), for two models, with the student's figure over
 the teacher's. ``hyla eval compare TEACHER STUDENT`` prints it and writes ``compare.json``.
 
 Example:
@@ -107,7 +107,7 @@ def compare_models(teacher_src, student_src, *, tasks: Sequence[str] = (),
     entry holds its name, its ``model_report``, skills and recall records.
     """
     from hyla.eval.model_report import model_report
-    from hyla.eval.recall_text import text_recall
+    from hyla.eval.recall.text import text_recall
     from hyla.model.load import resolve_source
 
     tasks = list(tasks)

@@ -35,7 +35,7 @@ except ImportError as e:  # pragma: no cover - the eval extra is missing
     raise ImportError("hyla.eval.harness needs lm-evaluation-harness: "
                       "pip install 'hyla[eval]'") from e
 
-from hyla.serve.api_tokenize import encode_plain
+from hyla.serve.api.tokens import encode_plain
 
 
 @register_model("hyla")

@@ -6,8 +6,8 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hyla.model.config_fields import MAX_LAYERS, check_fields  # noqa: F401 - re-exported
 from hyla.model.ffn import FFNS
+from hyla.model.field_checks import MAX_LAYERS, check_fields  # noqa: F401 - re-exported
 from hyla.model.layers import check_rope_scaling
 from hyla.model.mixers import MIXERS
 from hyla.ops.gla.chunk import CHUNK_SIZES
@@ -53,7 +53,7 @@ class HylaConfig:
     # Linearised attention (distillation students): a G layer with linear_window > 0 keeps
     # the teacher's q/k/v/o, attends exactly to its last `linear_window` tokens and first
     # `window_sinks` tokens, and mixes that with a normalised GLA branch over Hedgehog
-    # feature maps (hyla.model.mixers.window_gla). 0: plain GLA.
+    # feature maps (hyla.model.mixers.linearised.gla). 0: plain GLA.
     linear_window: int = 0
     window_sinks: int = 4
     # The feed-forward half of each block, one letter a layer from hyla.model.ffn.FFNS ("S"

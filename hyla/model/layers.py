@@ -95,6 +95,47 @@ def check_rope_scaling(scaling: dict | None, name: str = "rope_scaling") -> None
         raise ValueError(f"{name}: factor must be > 0, got {scaling['factor']}")
 
 
+
+def rope_from_hf_config(hf: dict, source: str) -> tuple[float, dict | None]:
+    """``(rope_theta, rope_scaling)`` for hyla from a transformers config's
+    ``rope_parameters`` (transformers 5) or ``rope_scaling`` + ``rope_theta`` (older files);
+    ValueError naming ``source`` for what hyla's rotary cannot compute.
+
+    Example:
+        >>> rope_from_hf_config({"rope_theta": 5e5}, "config.json")
+        (500000.0, None)
+        >>> rope_from_hf_config({"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+        ...                      "rope_theta": 1e4}}, "config.json")
+        (10000.0, {'rope_type': 'linear', 'factor': 2.0})
+    """
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if params and not isinstance(params.get("rope_type", params.get("type", "")), str):
+        raise ValueError(f"{source}: rope_parameters per layer type are not supported")
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"{source}: partial_rotary_factor {partial} is not supported: hyla "
+                         f"rotates the whole head")
+    if kind == "default":
+        return theta, None
+    if kind in ("llama3", "yarn"):
+        params["original_max_position_embeddings"] = hf.get(
+            "original_max_position_embeddings",
+            params.get("original_max_position_embeddings", hf.get("max_position_embeddings")))
+    if kind == "yarn" and params.get("factor") is None and hf.get("max_position_embeddings"):
+        params["factor"] = hf["max_position_embeddings"] / params[
+            "original_max_position_embeddings"]
+    if kind == "dynamic":      # transformers rescales beyond max_position_embeddings
+        params["original_max_position_embeddings"] = hf.get("max_position_embeddings")
+    scaling = {"rope_type": kind, **params}
+    try:
+        check_rope_scaling(scaling, f"{source}: rope_parameters")
+    except ValueError as e:
+        raise ValueError(str(e)) from None
+    return theta, scaling
+
+
 def rope_frequencies(dim: int, theta: float, scaling: dict | None = None, *, device=None,
                      lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [dim / 2] float32 of a rotary embedding and the factor its cos/sin

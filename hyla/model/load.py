@@ -59,11 +59,11 @@ def load_model(source: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     path = resolve_source(source)
     kind = source_kind(path)
     if kind == "gguf":
-        from hyla.model.formats.gguf import load_gguf
+        from hyla.model.formats.gguf.load import load_gguf
 
         return load_gguf(path, dtype=dtype, device=device)
     if kind == "hf":
-        from hyla.model.formats.hf import load_hf
+        from hyla.model.formats.hf.load import load_hf
 
         return load_hf(path, dtype=dtype, device=device)
     if kind == "fla":
@@ -78,11 +78,11 @@ def load_tokenizer(source: str | os.PathLike):
     path = resolve_source(source)
     kind = source_kind(path)
     if kind == "gguf":
-        from hyla.model.formats.gguf import load_gguf_tokenizer
+        from hyla.model.formats.gguf.load import load_gguf_tokenizer
 
         return load_gguf_tokenizer(path)
     if kind in ("hf", "fla"):
-        from hyla.model.formats.hf_tokenizer import load_hf_tokenizer
+        from hyla.model.formats.hf.tokenizer import load_hf_tokenizer
 
         vocab = _read_json(path / CONFIG).get("vocab_size")
         return load_hf_tokenizer(path, int(vocab) if vocab else None)

@@ -31,7 +31,7 @@ import h11
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from hyla.serve.api_schemas import error_body
+from hyla.serve.api.schemas import error_body
 
 
 @dataclasses.dataclass(frozen=True)

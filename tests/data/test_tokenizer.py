@@ -8,7 +8,7 @@ def test_named_eos_token_from_tokenizer_config(tmp_path):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     from hyla.data.tokenizer import BPETokenizer, load_tokenizer
-    from hyla.model.formats.hf_tokenizer import load_hf_tokenizer
+    from hyla.model.formats.hf.tokenizer import load_hf_tokenizer
 
     vocab = {chr(c): i for i, c in enumerate(range(ord("a"), ord("z") + 1))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))

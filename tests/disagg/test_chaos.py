@@ -20,7 +20,7 @@ import pytest
 import zmq
 
 from hyla.disagg.live.internal_auth import InternalAuth, internal_key
-from hyla.disagg.live.transfer import PROTOCOL, frame_mac, transfer_key
+from hyla.disagg.live.transfer.frames import PROTOCOL, frame_mac, transfer_key
 
 MODEL = "hyla-debug"
 KEY = "chaos-key"

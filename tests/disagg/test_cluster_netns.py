@@ -22,8 +22,8 @@ import time
 import httpx
 import pytest
 
-from hyla.disagg.live.netlab import NetLab
-from hyla.disagg.live.netlab_cluster import LabCluster, drive, p90
+from hyla.disagg.live.netlab.cluster import LabCluster, drive, p90
+from hyla.disagg.live.netlab.hosts import NetLab
 
 TOKENS = 800            # a ~210 KB state: 0.4 s at 4 Mbit/s, far longer than a local prefill
 

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from hyla.disagg.live.auth import internal_http_key
 from hyla.disagg.live.internal_auth import HEADER, InternalAuth, Verifier, internal_key, sign
-from hyla.disagg.live.worker_prefill import PrefillService, create_prefill_app
+from hyla.disagg.live.worker.prefill import PrefillService, create_prefill_app
 from hyla.model import HylaLM, preset
 
 SECRET = "loopback-cluster-secret"
@@ -89,7 +89,7 @@ def test_verifier_window_with_a_fake_clock():
 
 def test_decode_worker_internal_routes_signed(tmp_path):
     from hyla.data.tokenizer import ByteTokenizer
-    from hyla.disagg.live.worker_decode import build_decode_worker
+    from hyla.disagg.live.worker.decode import build_decode_worker
     from hyla.serve.engine import EngineConfig
 
     torch.manual_seed(0)

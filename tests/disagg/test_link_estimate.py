@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from hyla.disagg.live.router_links import LinkBook
+from hyla.disagg.live.router.links import LinkBook
 from hyla.disagg.policy import PrfaasRouter, RouterConfig
 from hyla.disagg.policy.link import LinkConfig, LinkEstimate, StateSize
 

@@ -3,7 +3,7 @@ length."""
 
 import pytest
 
-from hyla.disagg.live.router import LiveRouter, LiveRouterConfig, live_policy
+from hyla.disagg.live.router.core import LiveRouter, LiveRouterConfig, live_policy
 from hyla.disagg.policy.prefix_index import PrefixIndex, chunk_chain
 
 

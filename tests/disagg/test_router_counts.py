@@ -11,8 +11,8 @@ import httpx
 import uvicorn
 
 from hyla.data.tokenizer import ByteTokenizer
-from hyla.disagg.live.router import LiveRouter, LiveRouterConfig
-from hyla.disagg.live.router_app import create_router_app
+from hyla.disagg.live.router.app import create_router_app
+from hyla.disagg.live.router.core import LiveRouter, LiveRouterConfig
 from hyla.serve.engine import StepOutput
 
 

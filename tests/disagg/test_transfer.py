@@ -9,7 +9,7 @@ import pytest
 import torch
 import zmq
 
-from hyla.disagg.live.transfer import (
+from hyla.disagg.live.transfer.frames import (
     LinkLimiter,
     Transfer,
     TransferAssembler,
@@ -17,8 +17,8 @@ from hyla.disagg.live.transfer import (
     encode_transfer,
     model_fingerprint,
 )
-from hyla.disagg.live.transfer_net import StateReceiver, StateSender
-from hyla.disagg.live.worker_prefill import PrefillService
+from hyla.disagg.live.transfer.net import StateReceiver, StateSender
+from hyla.disagg.live.worker.prefill import PrefillService
 from hyla.model import HylaLM, preset
 from hyla.model.state import SequenceState
 from hyla.serve.runner import Runner

@@ -7,8 +7,8 @@ import asyncio
 import socket
 import time
 
-from hyla.disagg.live.transfer import transfer_key
-from hyla.disagg.live.transfer_net import StateReceiver, StateSender
+from hyla.disagg.live.transfer.frames import transfer_key
+from hyla.disagg.live.transfer.net import StateReceiver, StateSender
 from hyla.model import preset
 from hyla.model.state import SequenceState
 

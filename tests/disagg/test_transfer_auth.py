@@ -9,14 +9,14 @@ import time
 import pytest
 import zmq
 
-from hyla.disagg.live.transfer import (
+from hyla.disagg.live.transfer.frames import (
     PROTOCOL,
     TransferAssembler,
     encode_transfer,
     frame_mac,
     transfer_key,
 )
-from hyla.disagg.live.transfer_net import StateReceiver, StateSender
+from hyla.disagg.live.transfer.net import StateReceiver, StateSender
 from hyla.model import preset
 from hyla.model.state import SequenceState
 

@@ -9,8 +9,8 @@ import torch
 from hyla.cli import main
 from hyla.eval import recall as recall_mod
 from hyla.eval.mqar import IGNORE, check_mqar_args, mqar
-from hyla.eval.recall import RecallPreset, best_records, recall_preset, run_recall
-from hyla.eval.recall_model import ShortConvLM, build_model
+from hyla.eval.recall.models import ShortConvLM, build_model
+from hyla.eval.recall.synthetic import RecallPreset, best_records, recall_preset, run_recall
 from hyla.model import HylaLM
 from hyla.model.config import preset
 

@@ -14,7 +14,7 @@ import torch
 
 from hyla.cli import main
 from hyla.data import ByteTokenizer
-from hyla.eval.recall_text import build_context, fixed_length, make_names, text_recall
+from hyla.eval.recall.text import build_context, fixed_length, make_names, text_recall
 from hyla.model import HylaLM, preset
 from hyla.model.formats.checkpoint import save_checkpoint
 

@@ -12,7 +12,7 @@ import torch
 
 from hyla.model.config import HylaConfig
 from hyla.model.context import Context
-from hyla.model.formats.families.qwen3_next_weights import split_ba, split_qkvz
+from hyla.model.formats.families.qwen3_next.tensors import split_ba, split_qkvz
 from hyla.model.mixers.deltanet import GatedDeltaMixer, KDAMixer
 
 transformers = pytest.importorskip("transformers")

@@ -18,7 +18,7 @@ from hyla.eval.memory import state_bytes
 from hyla.model import HylaLM, SequenceState, preset
 from hyla.model.formats.checkpoint import load_checkpoint, save_checkpoint
 from hyla.model.mixers import GLAMixer, WindowedGLAMixer
-from hyla.model.mixers.window_gla import hedgehog
+from hyla.model.mixers.linearised.gla import hedgehog
 from hyla.train.distill.student import build_student
 
 

@@ -9,8 +9,8 @@ from fastapi.testclient import TestClient
 
 from hyla.data.tokenizer import ByteTokenizer
 from hyla.model import HylaLM, preset
-from hyla.serve.api import create_app
-from hyla.serve.api_format import render_chat
+from hyla.serve.api.app import create_app
+from hyla.serve.api.format import render_chat
 from hyla.serve.async_engine import AsyncEngine
 from hyla.serve.engine import Engine, EngineConfig
 

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from hyla.data.tokenizer import ByteTokenizer
 from hyla.model import HylaLM, preset
-from hyla.serve.api import create_app
+from hyla.serve.api.app import create_app
 from hyla.serve.async_engine import AsyncEngine
 from hyla.serve.engine import Engine, EngineConfig
 from hyla.serve.scheduler import Scheduler, SchedulerConfig

@@ -23,7 +23,7 @@ from test_api import MODEL, _start, _stop
 from hyla.data.tokenizer import ByteTokenizer
 from hyla.model import HylaLM, preset
 from hyla.model.sampler import GREEDY_BELOW, sample
-from hyla.serve.api import create_app
+from hyla.serve.api.app import create_app
 from hyla.serve.async_engine import AsyncEngine, EngineFailed, RequestFailed
 from hyla.serve.engine import Engine
 from hyla.serve.sequence import GREEDY_BELOW as SEQ_GREEDY_BELOW

@@ -18,7 +18,7 @@ from hyla.data.tokenizer import ByteTokenizer
 from hyla.model import HylaLM, preset
 from hyla.model.formats.checkpoint import WEIGHTS, save_checkpoint
 from hyla.model.load import load_model
-from hyla.serve.api import create_app
+from hyla.serve.api.app import create_app
 from hyla.serve.async_engine import AsyncEngine
 from hyla.serve.engine import Engine, EngineConfig
 from hyla.serve.http_guard import ServerLimits, server_config

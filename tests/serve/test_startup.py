@@ -17,7 +17,7 @@ from rich.console import Console
 from hyla.cli.serve import warm_up
 from hyla.data.tokenizer import ByteTokenizer
 from hyla.model import HylaLM, preset
-from hyla.serve.api import create_app
+from hyla.serve.api.app import create_app
 from hyla.serve.async_engine import AsyncEngine
 from hyla.serve.engine import Engine, EngineConfig
 

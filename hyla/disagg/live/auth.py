@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import pathlib
 
-from hyla.disagg.live.transfer import transfer_key
+from hyla.disagg.live.transfer.frames import transfer_key
 
 
 def read_secret(env_value: str | None, path: str | None) -> str | None:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from hyla.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
 from hyla.model.config import HylaConfig
-from hyla.model.formats.hf_tokenizer import load_hf_tokenizer
+from hyla.model.formats.hf.tokenizer import load_hf_tokenizer
 from hyla.model.model import HylaLM
 
 CONFIG = "config.json"

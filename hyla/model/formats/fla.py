@@ -43,8 +43,8 @@ import torch
 from safetensors.torch import save_file
 
 from hyla.model.config import HylaConfig
-from hyla.model.formats.hf import _read_weights
-from hyla.model.formats.hf_tokenizer import load_hf_tokenizer, save_hf_tokenizer
+from hyla.model.formats.hf.tokenizer import load_hf_tokenizer, save_hf_tokenizer
+from hyla.model.formats.hf.weights import read_safetensors
 from hyla.model.mixers import MIXERS, AttentionMixer, GLAMixer
 from hyla.model.mixers.base import expand_kv_heads
 from hyla.model.model import HylaLM
@@ -309,7 +309,7 @@ def load_fla(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     if not isinstance(fla, dict):
         raise ValueError(f"{source} must hold a JSON object, got {type(fla).__name__}")
     cfg, layout = fla_config_to_hyla(fla, str(source))
-    state = fla_state_to_hyla(_read_weights(root, dtype), cfg, layout,
+    state = fla_state_to_hyla(read_safetensors(root, dtype), cfg, layout,
                               str(root / "model.safetensors"))
     with torch.device("meta"):
         model = HylaLM(cfg)

@@ -20,9 +20,9 @@ from hyla.model.mixers.base import (
 )
 from hyla.model.mixers.deltanet import GatedDeltaMixer, KDAMixer
 from hyla.model.mixers.gla import GLAMixer
+from hyla.model.mixers.linearised.delta import WindowedDeltaMixer, WindowedKDAMixer
+from hyla.model.mixers.linearised.gla import WindowedGLAMixer
 from hyla.model.mixers.mla import MLAMixer
-from hyla.model.mixers.window_delta import WindowedDeltaMixer, WindowedKDAMixer
-from hyla.model.mixers.window_gla import WindowedGLAMixer
 
 __all__ = ["MIXERS", "AttentionMixer", "GLAMixer", "GatedDeltaMixer", "KDAMixer", "MLAMixer",
            "Mixer", "StateSpec", "TensorSpec", "WindowedDeltaMixer", "WindowedGLAMixer",

@@ -61,7 +61,7 @@ class GatedDeltaMixer(Mixer):
     label = "Gated DeltaNet"
     options_class = DeltaOptions
     per_channel = False         # one decay a key channel (KDA) instead of one a head
-    # The form built when cfg.linear_window > 0 (hyla.model.mixers.window_delta sets it, on
+    # The form built when cfg.linear_window > 0 (hyla.model.mixers.linearised.delta sets it, on
     # this class and on KDAMixer: each class's own, not inherited).
     windowed: ClassVar[type[GatedDeltaMixer] | None] = None
 

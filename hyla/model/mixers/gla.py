@@ -45,7 +45,7 @@ class GLAMixer(Mixer):
 
     kind = "gla"
     label = "GLA"
-    # The form built when cfg.linear_window > 0 (hyla.model.mixers.window_gla sets it).
+    # The form built when cfg.linear_window > 0 (hyla.model.mixers.linearised.gla sets it).
     windowed: ClassVar[type[GLAMixer] | None] = None
 
     def __new__(cls, cfg=None, *args, **kwargs):

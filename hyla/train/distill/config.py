@@ -49,7 +49,7 @@ class DistillConfig:
     out: str = "runs/distill"
     student_kv_heads: int | None = None  # None: the teacher's
     # The student's linear layers (G; D, K where their mixer has the windowed form) as
-    # linearised attention (hyla.model.mixers.window_gla): exact softmax over the last
+    # linearised attention (hyla.model.mixers.linearised.gla): exact softmax over the last
     # `window` tokens and the first `sinks`, plus a normalised recurrent branch. 0: plain
     # linear layers. None (like every field below left None): the recipe's.
     window: int | None = None

@@ -88,8 +88,9 @@ def get_recipe(name: str) -> Recipe:
 def windowed_form(letter: str):
     """The class a ``letter`` layer becomes with ``linear_window > 0``, or None where the
     mixer has no windowed (linearised-attention) form. A mixer declares it as its
-    ``windowed`` class attribute (``G``: :class:`~hyla.model.mixers.window_gla.WindowedGLAMixer`)
-    or by handling ``linear_window`` itself (``supports_linear_window = True``)."""
+    ``windowed`` class attribute (``G``:
+    :class:`~hyla.model.mixers.linearised.gla.WindowedGLAMixer`) or by handling
+    ``linear_window`` itself (``supports_linear_window = True``)."""
     from hyla.model.mixers import MIXERS
 
     cls = MIXERS[letter]

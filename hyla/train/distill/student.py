@@ -6,8 +6,8 @@ mix is a pattern such as ``"GGGA" * 4``:
 Each student mixer takes what fits from the teacher's attention layer at its place
 (:meth:`hyla.model.mixers.Mixer.init_from_attention`; the ``A`` and ``G`` mixers document
 how), and says whether it is then an exact copy (nothing for stage 1 to learn). With a
-window, ``G``, ``D`` and ``K`` are linearised attention (:mod:`hyla.model.mixers.window_gla`,
-:mod:`hyla.model.mixers.window_delta`): the teacher's q/k/v/o, an exact window + sinks and a
+window, ``G``, ``D`` and ``K`` are linearised attention (:mod:`hyla.model.mixers.linearised.gla`,
+:mod:`hyla.model.mixers.linearised.delta`): the teacher's q/k/v/o, an exact window + sinks and a
 GLA or gated-delta-rule branch, calibrated from the teacher's attention. The
 student's linear layers get ``expand_k = expand_v = 1``, so each head has the teacher's
 head dim.

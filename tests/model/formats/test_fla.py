@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from hyla.data.tokenizer import ByteTokenizer
 from hyla.model import HylaLM, preset
 from hyla.model.formats.fla import export_fla, fla_config_to_hyla, is_fla_dir, load_fla
-from hyla.model.formats.hf_tokenizer import byte_tokenizer_json
+from hyla.model.formats.hf.tokenizer import byte_tokenizer_json
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from hyla.model import load_model
-from hyla.model.formats.gguf import gguf_config, gguf_weights, load_gguf_tokenizer, open_gguf
-from hyla.model.formats.gguf_reader import GGUFFile
-from hyla.model.formats.hf import hf_config_to_hyla
-from hyla.model.formats.hf_tokenizer import bytes_to_unicode
+from hyla.model.formats.gguf.load import gguf_config, gguf_weights, load_gguf_tokenizer, open_gguf
+from hyla.model.formats.gguf.reader import GGUFFile
+from hyla.model.formats.hf.load import hf_config_to_hyla
+from hyla.model.formats.hf.tokenizer import bytes_to_unicode
 from hyla.model.names import resolve_name
 
 gguf = pytest.importorskip("gguf")
@@ -161,7 +161,7 @@ def test_tiny_llama_gguf_matches_transformers(tmp_path, pre, add_bos):
 def test_dequantisation_is_gguf_bit_for_bit():
     """Q4_0 / Q4_1 / Q8_0 (done here in torch) equal gguf.quants' numpy, on values with
     extremes (zeros, a block's min = max)."""
-    from hyla.model.formats.gguf_reader import _BLOCKS
+    from hyla.model.formats.gguf.reader import _BLOCKS
 
     x = torch.randn(64, 96, generator=torch.Generator().manual_seed(1)).numpy()
     x[0] = 0.0

@@ -204,7 +204,7 @@ def test_export_refuses_what_the_family_cannot_hold(change, match):
     import dataclasses
 
     from hyla.model.formats.families import FAMILIES
-    from hyla.model.formats.families.qwen3_next import to_config
+    from hyla.model.formats.families.qwen3_next.family import to_config
 
     kw = CASES["qwen3_5_text"][3]
     cfg = to_config({"model_type": "qwen3_5_text", **kw}, "config.json")

@@ -45,6 +45,7 @@ from hyla.model.formats.families.mla_kda import (
     state_to_hyla,
     with_defaults,
 )
+from hyla.model.layers import rope_from_hf_config
 from hyla.model.mixers import MIXERS
 
 BAILING = "bailing_hybrid"
@@ -114,7 +115,6 @@ def to_config(hf: dict, source: str) -> HylaConfig:
             "conv_kernel": int(get(hf, "linear_conv_kernel_dim", "short_conv_kernel_size")),
             "safe_gate": bool(hf["kda_safe_gate"]),
             "lower_bound": float(hf["kda_lower_bound"])}
-    from hyla.model.formats.hf import _rope  # (hf imports the families: import here)
 
     rope_hf = hf | {"max_position_embeddings": hf["model_max_length"]}
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
@@ -124,7 +124,7 @@ def to_config(hf: dict, source: str) -> HylaConfig:
         params.pop("partial_rotary_factor", None)
         rope_hf |= {"partial_rotary_factor": None, "rope_scaling": None,
                     "rope_parameters": params or None}
-    theta, scaling = _rope(rope_hf, source)
+    theta, scaling = rope_from_hf_config(rope_hf, source)
     return make_config(hf, source, BAILING, layers, ffn, mixer_options=options,
                        norm_eps=float(hf["rms_norm_eps"]), rope_theta=theta,
                        rope_scaling=scaling)

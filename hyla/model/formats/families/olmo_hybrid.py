@@ -40,6 +40,7 @@ from hyla.model.formats.families.base import (
     require,
     take,
 )
+from hyla.model.layers import rope_from_hf_config
 from hyla.model.mixers import MIXERS
 from hyla.model.mixers.attention import AttentionMixer
 from hyla.model.mixers.deltanet import delta_dims
@@ -54,7 +55,6 @@ _DISK = {".attention_layer_norm.": ".input_layernorm.",          # checkpoint ->
 
 
 def to_config(hf: dict, source: str) -> HylaConfig:
-    from hyla.model.formats.hf import _rope
 
     refuse(hf, source, _REFUSED)
     n = int(require(hf, "num_hidden_layers", source, KIND))
@@ -73,7 +73,7 @@ def to_config(hf: dict, source: str) -> HylaConfig:
     # NoPE is a rope_theta of null (rope_parameters: null gets transformers' default rope)
     rope = hf.get("rope_parameters")
     rotary = not (isinstance(rope, dict) and "rope_theta" in rope and rope["rope_theta"] is None)
-    theta, scaling = _rope(hf, source) if rotary else (10000.0, None)
+    theta, scaling = rope_from_hf_config(hf, source) if rotary else (10000.0, None)
     delta = {"num_k_heads": hk, "num_v_heads": hv, "head_k_dim": dk,
              "head_v_dim": int(hf.get("linear_value_head_dim") or 2 * dk),
              "conv_kernel": int(hf.get("linear_conv_kernel_dim", 4)),

@@ -1,7 +1,7 @@
 """The router's remote path (a part of :class:`~hyla.disagg.live.router.LiveRouter`): the
 policy's cost model on the measured link, shipping a request's prefill to a prefill worker
 while a decode worker waits for its state, each transfer's deadlines, and what every
-remote request tells the path's estimate (:mod:`hyla.disagg.live.router_links`).
+remote request tells the path's estimate (:mod:`hyla.disagg.live.router.links`).
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from hyla.disagg.live.router_links import Shipment
+from hyla.disagg.live.router.links import Shipment
 from hyla.disagg.policy import LOCAL
 from hyla.model.sampler import TokenLogprob
 from hyla.serve.engine import StepOutput
 
 if TYPE_CHECKING:
-    from hyla.disagg.live.router_worker import Worker
+    from hyla.disagg.live.router.workers import Worker
 
 
 class _Fallback(Exception):

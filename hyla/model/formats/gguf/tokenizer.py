@@ -62,7 +62,7 @@ def byte_level_bpe(meta: dict):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, processors
     from tokenizers import pre_tokenizers as pre_tok
 
-    from hyla.model.formats.hf_tokenizer import bytes_to_unicode
+    from hyla.model.formats.hf.tokenizer import bytes_to_unicode
 
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())

@@ -22,11 +22,11 @@ import os
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from hyla.disagg.live.transfer import TransferError, model_fingerprint
-from hyla.disagg.live.transfer_net import StateReceiver, fault_injection_enabled
-from hyla.disagg.live.worker_prefill import logprob_to_dict, params_from_dict
-from hyla.serve.api_limits import bearer_ok
-from hyla.serve.api_schemas import error_body
+from hyla.disagg.live.transfer.frames import TransferError, model_fingerprint
+from hyla.disagg.live.transfer.net import StateReceiver, fault_injection_enabled
+from hyla.disagg.live.worker.prefill import logprob_to_dict, params_from_dict
+from hyla.serve.api.limits import bearer_ok
+from hyla.serve.api.schemas import error_body
 from hyla.serve.async_engine import AsyncEngine, EngineFailed, QueueFull, RequestFailed
 
 
@@ -169,7 +169,7 @@ def build_decode_worker(model, tok, name: str, engine_config, *, max_waiting: in
     (:mod:`hyla.disagg.live.internal_auth`); ``on_dead``:
     called if the engine dies (the role exits non-zero so a supervisor restarts it)."""
     from hyla.model.state import SequenceState
-    from hyla.serve.api import create_app
+    from hyla.serve.api.app import create_app
     from hyla.serve.engine import Engine
     from hyla.serve.sequence import SamplingParams
 

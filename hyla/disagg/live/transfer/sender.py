@@ -1,6 +1,6 @@
 """The sending side of a state transfer: :class:`StateSender` (a zmq DEALER per decode
 worker) and :class:`Outgoing` (one queued transfer). The receiving side and the module
-that names both is :mod:`hyla.disagg.live.transfer_net`; the wire format and its checks
+that names both is :mod:`hyla.disagg.live.transfer.net`; the wire format and its checks
 live in :mod:`hyla.disagg.live.transfer`.
 """
 
@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 import zmq
 
-from hyla.disagg.live.transfer import (
+from hyla.disagg.live.transfer.frames import (
     CHUNK_BYTES,
     EgressMeter,
     LinkLimiter,

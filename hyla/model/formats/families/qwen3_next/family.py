@@ -9,7 +9,7 @@ a sigmoid-gated shared expert) where Qwen3-Next's ``decoder_sparse_step`` /
 ``mlp_only_layers`` put experts (every layer in Qwen3.5-MoE), ``S`` elsewhere; block norms
 zero-centred (applied as 1 + w).
 
-Weights (:mod:`~hyla.model.formats.families.qwen3_next_weights`): Qwen3-Next's fused
+Weights (:mod:`~hyla.model.formats.families.qwen3_next.tensors`): Qwen3-Next's fused
 ``in_proj_qkvz`` / ``in_proj_ba`` are split per key-head group and fused back on export;
 experts are written one module each. Multi-token-prediction tensors (``mtp.*``) are
 dropped with a logged warning. A multimodal ``qwen3_5`` / ``qwen3_5_moe`` directory loads its
@@ -24,7 +24,8 @@ import logging
 
 from hyla.model.config import HylaConfig
 from hyla.model.formats.families.base import Family, refuse, register_family, require
-from hyla.model.formats.families.qwen3_next_weights import from_state, moe_options, to_state
+from hyla.model.formats.families.qwen3_next.tensors import from_state, moe_options, to_state
+from hyla.model.layers import rope_from_hf_config
 from hyla.model.mixers.attention import AttentionMixer
 from hyla.model.mixers.deltanet import GatedDeltaMixer, delta_dims
 
@@ -60,15 +61,14 @@ def to_config(hf: dict, source: str) -> HylaConfig:
     if len(types) != n or not set(types) <= set(LAYER_TYPES):
         raise ValueError(f"{source}: layer_types={types!r} is not supported: expected "
                          f"{n} of {sorted(LAYER_TYPES)}")
-    from hyla.model.formats.hf import _rope
 
     rope = dict(hf.get("rope_parameters") or {})
     # transformers' default for these families is 0.25 (a quarter of each head rotates)
     partial = float(rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)))
     for key in ("mrope_section", "mrope_interleaved"):   # text-only positions: plain RoPE
         rope.pop(key, None)
-    theta, scaling = _rope({**hf, "rope_parameters": rope, "partial_rotary_factor": None},
-                           source)
+    theta, scaling = rope_from_hf_config(
+        {**hf, "rope_parameters": rope, "partial_rotary_factor": None}, source)
     ffn_layers, moe = _ffn_layers(hf, kind, n, source)
     d = need("hidden_size")
     delta = {"num_k_heads": need("linear_num_key_heads"),

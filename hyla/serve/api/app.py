@@ -3,11 +3,11 @@
 Routes: ``POST /v1/completions`` (``echo`` with prompt logprobs, batched prompts),
 ``POST /v1/chat/completions`` (JSON, or server-sent events with ``"stream": true``),
 ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``
-(vLLM's, :mod:`hyla.serve.api_tokenize`), ``GET /health`` (status plus what the
+(vLLM's, :mod:`hyla.serve.api.tokens`), ``GET /health`` (status plus what the
 engine holds: running and waiting requests, state slots and KV blocks in use) and
 ``GET /metrics`` (Prometheus). With an API key set, every route but ``/health`` needs
 ``Authorization: Bearer KEY`` (401 otherwise). Bodies over ``max_body_bytes`` are a 413;
-prompts are tokenised off the event loop (:mod:`hyla.serve.api_limits`).
+prompts are tokenised off the event loop (:mod:`hyla.serve.api.limits`).
 
 Every error is OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: bad input
 (malformed JSON and wrong types included: FastAPI's 422 becomes 400) is 400, a full queue
@@ -43,15 +43,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hyla.serve.api_format import Echo, Formatter, Result, render_chat
-from hyla.serve.api_limits import (
+from hyla.serve.api.format import Echo, Formatter, Result, render_chat
+from hyla.serve.api.limits import (
     DEFAULT_MAX_BODY_BYTES,
     APIKeyMiddleware,
     BodyLimitMiddleware,
     PromptEncoder,
 )
-from hyla.serve.api_schemas import APIError, ChatCompletionRequest, CompletionRequest, error_body
-from hyla.serve.api_tokenize import add_tokenizer_routes
+from hyla.serve.api.schemas import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from hyla.serve.api.tokens import add_tokenizer_routes
 from hyla.serve.async_engine import AsyncEngine, EngineFailed, QueueFull, RequestFailed
 from hyla.serve.http_guard import BodyDeadlineMiddleware, ServerLimits
 from hyla.serve.sequence import SamplingParams

@@ -16,22 +16,22 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from hyla.disagg.live.router import LiveRouter, WorkerFailed
-from hyla.serve.api import (
+from hyla.disagg.live.router.core import LiveRouter, WorkerFailed
+from hyla.serve.api.app import (
     chat_setup,
     completion_setup,
     prompt_token_ids,
     validation_error,
 )
-from hyla.serve.api_format import Formatter, Result
-from hyla.serve.api_limits import (
+from hyla.serve.api.format import Formatter, Result
+from hyla.serve.api.limits import (
     DEFAULT_MAX_BODY_BYTES,
     APIKeyMiddleware,
     BodyLimitMiddleware,
     PromptEncoder,
 )
-from hyla.serve.api_schemas import APIError, ChatCompletionRequest, CompletionRequest, error_body
-from hyla.serve.api_tokenize import add_tokenizer_routes
+from hyla.serve.api.schemas import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from hyla.serve.api.tokens import add_tokenizer_routes
 
 
 def _error_event(msg: str) -> str:

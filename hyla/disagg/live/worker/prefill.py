@@ -5,7 +5,7 @@ prompt_ids, params, dest}`` (``dest``: the decode worker's transfer address). It
 them one at a time on an :class:`~hyla.serve.engine.Engine` as prefill-only requests (the
 engine checks the prompt, seeds the sampler, chunks the prompt, samples the first token and
 hands over the :class:`~hyla.model.state.SequenceState`), ships each state whole to
-``dest`` (:class:`~hyla.disagg.live.transfer_net.StateSender`, paced to ``--link-gbps``)
+``dest`` (:class:`~hyla.disagg.live.transfer.net.StateSender`, paced to ``--link-gbps``)
 while it goes on to the next prompt, and answers with the first token and the transfer's
 figures once the decode worker has acknowledged the state (a state that is rejected or not
 acknowledged within the request's ``deadline_s`` is a 502 ``transfer_failed``). ``GET
@@ -24,11 +24,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from hyla.disagg.live.internal_auth import InternalAuthMiddleware
-from hyla.disagg.live.transfer import model_fingerprint
-from hyla.disagg.live.transfer_net import StateSender, fault_injection_enabled
+from hyla.disagg.live.transfer.frames import model_fingerprint
+from hyla.disagg.live.transfer.net import StateSender, fault_injection_enabled
 from hyla.model.state import SequenceState
-from hyla.serve.api_limits import bearer_ok
-from hyla.serve.api_schemas import error_body
+from hyla.serve.api.limits import bearer_ok
+from hyla.serve.api.schemas import error_body
 from hyla.serve.engine import Engine, EngineConfig
 from hyla.serve.sequence import SamplingParams
 
@@ -64,7 +64,7 @@ class PrefillService:
     Example:
         >>> import asyncio
         >>> from hyla.model import HylaLM, preset
-        >>> from hyla.disagg.live.transfer_net import StateReceiver
+        >>> from hyla.disagg.live.transfer.net import StateReceiver
         >>> svc = PrefillService(HylaLM(preset("debug")), max_model_len=64)
         >>> rx = StateReceiver(svc.fingerprint, svc.kinds)
         >>> r = svc.run_sync("r1", [1, 2, 3], SamplingParams(temperature=0), rx.address)

@@ -28,7 +28,7 @@ import asyncio
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict
 
-from hyla.serve.api_schemas import APIError
+from hyla.serve.api.schemas import APIError
 
 
 def encode_plain(tok, text: str, add_special_tokens: bool = False) -> list[int]:

@@ -1,6 +1,6 @@
 """GGUF files (llama.cpp's format) in: read once, dequantised to the requested dtype.
 
-The file is parsed once (:class:`~hyla.model.formats.gguf_reader.GGUFFile`: metadata and
+The file is parsed once (:class:`~hyla.model.formats.gguf.reader.GGUFFile`: metadata and
 tensor table, tensors memory-mapped) and its llama-family metadata (``llama``, ``mistral``,
 ``qwen2``, ``qwen3`` architectures) becomes the transformers config a directory of that
 family would have, so the same conversion and the same refusals apply
@@ -8,7 +8,7 @@ family would have, so the same conversion and the same refusals apply
 q/k row permutation of llama-architecture files is undone, and each tensor is dequantised
 (Q4_0, Q4_1, Q8_0 here; K-quants and the rest by the ``gguf`` package) and cast to the
 requested dtype one at a time. The tokenizer of a byte-level BPE vocabulary is built from the
-metadata with ``tokenizers`` (:mod:`hyla.model.formats.gguf_tokenizer`); others (sentencepiece)
+metadata with ``tokenizers`` (:mod:`hyla.model.formats.gguf.tokenizer`); others (sentencepiece)
 go through ``transformers``' conversion, imported only then. Both paths give the ids and the
 weights ``transformers``' own GGUF loading gives (tests/model/formats/test_gguf_direct.py).
 
@@ -26,8 +26,8 @@ import pathlib
 
 import torch
 
-from hyla.model.formats.hf import hf_config_to_hyla, hf_state_to_hyla, hyla_model_from
-from hyla.model.formats.hf_tokenizer import hf_tokenizer_from
+from hyla.model.formats.hf.load import hf_config_to_hyla, hf_state_to_hyla, hyla_model_from
+from hyla.model.formats.hf.tokenizer import hf_tokenizer_from
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # GGUF "<arch>.<key>" -> transformers config field
@@ -50,14 +50,14 @@ _UNUSED = ("rope_freqs.weight",)
 
 
 def open_gguf(path: str | os.PathLike):
-    """The parsed :class:`~hyla.model.formats.gguf_reader.GGUFFile` of ``path``; ValueError
+    """The parsed :class:`~hyla.model.formats.gguf.reader.GGUFFile` of ``path``; ValueError
     naming the file when it is not one, or when the ``gguf`` package is missing."""
     try:
         import gguf  # noqa: F401  (its constants and dequantisers)
     except ImportError as e:
         raise ValueError(f"reading .gguf files needs the gguf extra: pip install 'hyla[gguf]' "
                          f"({e})") from None
-    from hyla.model.formats.gguf_reader import GGUFFile
+    from hyla.model.formats.gguf.reader import GGUFFile
 
     return GGUFFile(_check(path))
 
@@ -172,9 +172,9 @@ def nearest_scheme(f) -> tuple[str, str]:
 def load_gguf_tokenizer(path: str | os.PathLike, vocab_size: int | None = None, *,
                         parsed=None):
     """The tokenizer of a GGUF file, as a hyla tokenizer: byte-level BPE built from its
-    metadata (:mod:`~hyla.model.formats.gguf_tokenizer`), any other kind through
+    metadata (:mod:`~hyla.model.formats.gguf.tokenizer`), any other kind through
     ``transformers``' conversion. ``parsed``: the file's :func:`open_gguf`, when at hand."""
-    from hyla.model.formats.gguf_tokenizer import byte_level_bpe, special_token
+    from hyla.model.formats.gguf.tokenizer import byte_level_bpe, special_token
 
     f = parsed if parsed is not None else open_gguf(path)
     meta = f.metadata

@@ -34,7 +34,7 @@ from torch import nn
 
 from hyla.eval.memory import state_bytes
 from hyla.eval.mqar import IGNORE, check_mqar_args, mqar
-from hyla.eval.recall_model import build_model
+from hyla.eval.recall.models import build_model
 from hyla.model import MIXERS, HylaConfig
 
 DESCRIPTIONS = {"GG": "GLA only", "GA": "hybrid (GLA + attention)", "AA": "attention only",

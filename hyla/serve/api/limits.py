@@ -3,7 +3,7 @@ encoding off the event loop with a length bound checked before tokenising, text 
 cannot be encoded answered with a 400, and an API key on every route but ``/health``.
 
 Shared by ``hyla serve`` (:mod:`hyla.serve.api`) and the cluster's router
-(:mod:`hyla.disagg.live.router_app`), so both answer alike.
+(:mod:`hyla.disagg.live.router.app`), so both answer alike.
 
 Example:
     >>> import asyncio
@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from hyla.serve.api_schemas import APIError, error_body
+from hyla.serve.api.schemas import APIError, error_body
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20       # a max_model_len prompt is far smaller in any tokenizer
 OPEN_PATHS = ("/health",)              # the only route open without the key (liveness probes)

@@ -22,7 +22,7 @@ Every ``poll_s`` the router reads each worker's ``/internal/info`` (health, queu
 throughput) and feeds the policy the link's utilisation (egress over the measured
 capacity), the remote and local prefill queues and whether the remote pool is up.
 
-The link is measured, not configured (:mod:`hyla.disagg.live.router_links`): every remote
+The link is measured, not configured (:mod:`hyla.disagg.live.router.links`): every remote
 request's transfer reports its bytes, wire time and end-to-end time (to the decode side's
 acknowledgement); per prefill -> decode path the router keeps a throughput and latency
 estimate and a circuit breaker, and the policy's cost model
@@ -50,17 +50,17 @@ from dataclasses import dataclass, field
 import httpx
 
 from hyla.disagg.live.internal_auth import InternalAuth, internal_key
-from hyla.disagg.live.router_links import LinkBook
-from hyla.disagg.live.router_remote import RemotePath, WorkerFailed, _Fallback, _out
-from hyla.disagg.live.router_worker import Worker  # noqa: F401  (re-exported)
-from hyla.disagg.live.transfer import EgressMeter
+from hyla.disagg.live.router.links import LinkBook
+from hyla.disagg.live.router.remote import RemotePath, WorkerFailed, _Fallback, _out
+from hyla.disagg.live.router.workers import Worker  # noqa: F401  (re-exported)
+from hyla.disagg.live.transfer.frames import EgressMeter
 from hyla.disagg.policy import LOCAL, RouterConfig, build_policy, recommend_pd_split
 from hyla.disagg.policy.link import LinkConfig
 from hyla.disagg.policy.prefix_index import PrefixIndex, chunk_chain
-from hyla.serve.api import (
+from hyla.serve.api.app import (
     param_of,
 )
-from hyla.serve.api_schemas import APIError
+from hyla.serve.api.schemas import APIError
 from hyla.serve.sequence import SamplingParams
 
 SLOW_POLLS_DOWN = 3                 # timed-out health polls in a row before a worker is down

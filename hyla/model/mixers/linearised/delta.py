@@ -1,7 +1,7 @@
 """``D`` and ``K`` with ``linear_window > 0``: linearised softmax attention whose recurrent
 branch is the gated delta rule (the distillation targets of Gated DeltaNet / KDA hybrids).
 
-The layer of :mod:`hyla.model.mixers.window_gla` with another memory for what falls out of
+The layer of :mod:`hyla.model.mixers.linearised.gla` with another memory for what falls out of
 the window. Shared (:class:`~hyla.model.mixers.linearised.LinearisedAttention`): the
 teacher's q/k/v/o (grouped-query heads, biases, q/k norms), exact softmax over the last
 ``linear_window`` tokens and the first ``window_sinks`` with the teacher's rotary positions,
@@ -41,7 +41,7 @@ from torch import nn
 from hyla.model.mixers.base import StateSpec, TensorSpec
 from hyla.model.mixers.deltanet import TIMESCALES, GatedDeltaMixer, KDAMixer
 from hyla.model.mixers.gla import gate_bias
-from hyla.model.mixers.linearised import LinearisedAttention
+from hyla.model.mixers.linearised.base import LinearisedAttention
 from hyla.ops.deltanet import chunk_gated_delta, delta_decode_step, l2norm
 
 # How much longer than the far attention's mean distance the decays keep (calibrate).

@@ -32,7 +32,7 @@ from torch import nn
 
 from hyla.model.mixers.base import StateSpec, TensorSpec
 from hyla.model.mixers.gla import GLAMixer, gate_bias, slow_gate_bias
-from hyla.model.mixers.linearised import LinearisedAttention, hedgehog
+from hyla.model.mixers.linearised.base import LinearisedAttention, hedgehog
 from hyla.ops.gla import chunk_gla, gla_decode_step
 
 __all__ = ["WindowedGLAMixer", "hedgehog"]

@@ -1,5 +1,5 @@
 """The sockets of a state transfer: :class:`StateSender` (prefill side, a zmq DEALER a
-destination; in :mod:`hyla.disagg.live.transfer_sender`) and :class:`StateReceiver`
+destination; in :mod:`hyla.disagg.live.transfer.sender`) and :class:`StateReceiver`
 (decode side, a zmq ROUTER that acknowledges every transfer it completes or rejects). The
 wire format and its checks live in :mod:`hyla.disagg.live.transfer`.
 
@@ -33,7 +33,7 @@ from collections import OrderedDict
 
 import zmq
 
-from hyla.disagg.live.transfer import (
+from hyla.disagg.live.transfer.frames import (
     Transfer,
     TransferAssembler,
     TransferError,
@@ -41,7 +41,7 @@ from hyla.disagg.live.transfer import (
     check_mac,
     frame_mac,
 )
-from hyla.disagg.live.transfer_sender import DEFAULT_DEADLINE_S, DEST, Outgoing, StateSender
+from hyla.disagg.live.transfer.sender import DEFAULT_DEADLINE_S, DEST, Outgoing, StateSender
 
 __all__ = ["DEFAULT_DEADLINE_S", "DEST", "Outgoing", "StateReceiver", "StateSender",
            "fault_injection_enabled"]
