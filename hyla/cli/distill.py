@@ -160,7 +160,7 @@ def cmd_distill(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_export(args: argparse.Namespace, out: Console) -> int:
-    from hyla.model.formats.hf.load import export_hf
+    from hyla.model.formats.hf import export_hf
     from hyla.model.load import load_model as load_source
 
     if (args.source is None) == (args.checkpoint is None):

@@ -5,7 +5,7 @@ Nothing is allocated: parameter shapes come from the model on the meta device, a
 from one forward pass traced with fake tensors (:mod:`hyla.eval.activation_trace`).
 
 What is counted, in bytes a rank (the busiest rank: shards are ``ceil(rows / W)`` rows along
-dim 0, padded, as both FSDP2's ``fully_shard`` and :mod:`hyla.train.comm` cut them):
+dim 0, padded, as both FSDP2's ``fully_shard`` and :mod:`hyla.train.optim.comm` cut them):
 
 - ``params``: fp32 master weights. replicate: all ``P``; fsdp: the rank's shards.
 - ``grads``: fp32. replicate: all ``P`` (averaged by an all-reduce); fsdp: shards.

@@ -63,7 +63,7 @@ def load_model(source: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
 
         return load_gguf(path, dtype=dtype, device=device)
     if kind == "hf":
-        from hyla.model.formats.hf.load import load_hf
+        from hyla.model.formats.hf import load_hf
 
         return load_hf(path, dtype=dtype, device=device)
     if kind == "fla":

@@ -79,7 +79,7 @@ def config_from_dict(data: dict, source: str = "config.json") -> HylaConfig:
     """:func:`read_config` for a config already read: ``data`` from ``source``."""
     if "model_type" in data:
         from hyla.model.formats.families import FAMILIES
-        from hyla.model.formats.hf.load import ARCHITECTURES, hf_config_to_hyla
+        from hyla.model.formats.hf import ARCHITECTURES, hf_config_to_hyla
 
         kind = data["model_type"]
         if isinstance(kind, str) and kind in FAMILIES:

@@ -27,8 +27,8 @@ from types import SimpleNamespace
 import torch
 
 from hyla.ops.backend_base import Backend
-from hyla.ops.deltanet.checks import check_delta_inputs, pop_aliases, resolve_decay
-from hyla.ops.gla.checks import check_gla_inputs, check_inplace, resolve_gate, write_back
+from hyla.ops.checks.deltanet import check_delta_inputs, pop_aliases, resolve_decay
+from hyla.ops.checks.gla import check_gla_inputs, check_inplace, resolve_gate, write_back
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -20,13 +20,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from hyla.train import process_group
 from hyla.train.batches import next_batch
 from hyla.train.checkpointing import guarded_save, remove_stale_temps, save_train_checkpoint
-from hyla.train.comm import CommCounter
 from hyla.train.metrics import MetricsLog
 from hyla.train.objectives import Objective
+from hyla.train.optim.comm import CommCounter
 from hyla.train.progress import ProgressDisplay
-from hyla.train.strategies import process_group as distributed
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -83,7 +83,7 @@ class Loop:
         distributed_checkpoints: write checkpoints through DCP
             (:mod:`hyla.train.checkpointing.dcp`, any world size) instead of one process's
             ``train_state.pt``.
-        counters: the :class:`~hyla.train.comm.CommCounter` s of what this rank sends; each
+        counters: the :class:`~hyla.train.optim.comm.CommCounter` s of what this rank sends; each
             record gets ``comm_bytes`` (the most any rank sent that step) and
             ``comm_bytes_per_rank``.
         after_step: called with the global step after each optimizer step, before its bytes
@@ -152,10 +152,10 @@ class Loop:
             metrics = stage.objective.backward(batch, stage.grad_accum)
             record = {k: record[k] + v if k in record and isinstance(v, float) else v
                       for k, v in metrics.items()}
-        record["loss"] = distributed.mean_over_ranks(record["loss"], self.world)
+        record["loss"] = process_group.mean_over_ranks(record["loss"], self.world)
         if stage.clip > 0:
             for group in stage.objective.clip_groups():
-                distributed.clip_grad_norm_(group, stage.clip)
+                process_group.clip_grad_norm_(group, stage.clip)
         for opt in stage.optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -167,7 +167,7 @@ class Loop:
         if self.routing is not None:   # balance the experts; load and routing metrics
             record.update(self.routing.after_step(self.step, final=self.step == self.total))
         if self.counters and self.world > 1:
-            sent = distributed.per_rank(self._bytes_sent() - sent_before, self.world)
+            sent = process_group.per_rank(self._bytes_sent() - sent_before, self.world)
             record["comm_bytes"], record["comm_bytes_per_rank"] = max(sent), sent
         return record
 

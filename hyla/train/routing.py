@@ -98,7 +98,7 @@ def take_counts(model: nn.Module) -> list[torch.Tensor]:
 def all_reduce_counts(counts: list[torch.Tensor], group=None, counter=None) -> list[torch.Tensor]:
     """The counts summed over the ranks of ``group`` (one all-reduce of every layer's counts;
     ``counts`` itself when torch.distributed is not initialised or has one rank). ``counter``
-    (a :class:`~hyla.train.comm.CommCounter`) counts a ring all-reduce's bytes under
+    (a :class:`~hyla.train.optim.comm.CommCounter`) counts a ring all-reduce's bytes under
     ``"routing"``: ``2 (W - 1) / W`` of the buffer each way."""
     if not counts or not (dist.is_available() and dist.is_initialized()):
         return counts
@@ -139,7 +139,7 @@ def probe_routes(model: nn.Module, ids: torch.Tensor,
         for m in layers:
             m.record_routes = False
         model.train(was_training)
-    from hyla.train.strategies.process_group import (
+    from hyla.train.process_group import (
         reshard,  # a forward alone leaves FSDP2's root gathered
     )
 

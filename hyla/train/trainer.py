@@ -25,12 +25,13 @@ from hyla.data.corpus import iter_documents
 from hyla.data.packing import corpus_blocks
 from hyla.data.tokenizer import load_tokenizer, train_bpe
 from hyla.model import HylaLM, preset
+from hyla.train import process_group
 from hyla.train.checkpointing.resume import RESUME_FIXED, load_train_state, run_dir_of
-from hyla.train.comm import CommCounter
 from hyla.train.config import TrainConfig, wsd_lr_factor
 from hyla.train.loop import Loop, Stage
 from hyla.train.objectives import LanguageModelling, validation_loss
-from hyla.train.strategies import build_strategy, process_group, strategy_class
+from hyla.train.optim.comm import CommCounter
+from hyla.train.strategies.registry import build_strategy, strategy_class
 from hyla.train.strategies.report import write_run_json
 
 # A resume may change the world size, and with it batch_size x grad_accum (the global batch
@@ -43,7 +44,7 @@ class Trainer:
 
     Attributes: ``cfg``, ``out``, ``model``, ``tokenizer``, ``loop`` (the
     :class:`~hyla.train.loop.Loop`), ``step``, ``rank``, ``world`` and ``strategy`` (how
-    the run spreads over its ranks: :func:`~hyla.train.strategies.build_strategy`).
+    the run spreads over its ranks: :func:`~hyla.train.strategies.registry.build_strategy`).
 
     Example:
         >>> import tempfile

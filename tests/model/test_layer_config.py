@@ -86,7 +86,7 @@ def test_bad_layer_fields_are_refused(change, match):
 ])
 def test_llama_export_refuses_what_llama_cannot_hold(change, match):
     from hyla.data import ByteTokenizer
-    from hyla.model.formats.hf.load import export_hf
+    from hyla.model.formats.hf import export_hf
 
     cfg = dataclasses.replace(preset("debug"), layers="AA", **change)
     with pytest.raises(ValueError, match=match):

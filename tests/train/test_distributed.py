@@ -9,11 +9,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hyla.train import process_group as distributed
 from hyla.train.checkpointing import load_train_state
 from hyla.train.config import TrainConfig
 from hyla.train.optim import build as optim
 from hyla.train.strategies import fsdp
-from hyla.train.strategies import process_group as distributed
 from hyla.train.trainer import Trainer
 
 WORLD = 2

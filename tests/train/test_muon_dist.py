@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hyla.train.comm import (
+from hyla.train.optim.comm import (
     assign_owners,
     planned_traffic,
     row_range,

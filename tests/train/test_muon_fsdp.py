@@ -16,9 +16,9 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from hyla.model import HylaLM, preset
 from hyla.model.formats.checkpoint import save_checkpoint
-from hyla.train.comm import planned_traffic
 from hyla.train.config import TrainConfig
 from hyla.train.optim import build as optim
+from hyla.train.optim.comm import planned_traffic
 from hyla.train.optim.muon import Muon
 from hyla.train.optim.sharded_muon import ShardedMuon
 from hyla.train.strategies import fsdp

@@ -12,9 +12,9 @@ installed; the native ones stay importable from their modules.
 """
 
 from hyla.ops.backends import dispatched
+from hyla.ops.checks.deltanet import l2norm
 from hyla.ops.deltanet import chunk as _chunk
 from hyla.ops.deltanet import recurrent as _recurrent
-from hyla.ops.deltanet.checks import l2norm
 from hyla.ops.deltanet.naive import naive_recurrent_gated_delta
 from hyla.ops.deltanet.recurrent import delta_decode_step
 

@@ -34,14 +34,14 @@ from __future__ import annotations
 
 import torch
 
-from hyla.ops.deltanet.checks import (
+from hyla.ops.checks.deltanet import (
     check_delta_inputs,
     l2norm,
     pop_aliases,
     resolve_decay,
     state_dtype,
 )
-from hyla.ops.gla.checks import check_inplace, write_back
+from hyla.ops.checks.gla import check_inplace, write_back
 from hyla.ops.gla.layout import ChunkLayout
 from hyla.ops.gla.scores import intra_scores
 

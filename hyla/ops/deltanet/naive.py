@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hyla.ops.deltanet.checks import (
+from hyla.ops.checks.deltanet import (
     check_delta_inputs,
     l2norm,
     pop_aliases,
@@ -19,7 +19,7 @@ from hyla.ops.deltanet.checks import (
     seq_offsets,
     state_dtype,
 )
-from hyla.ops.gla.checks import check_inplace, write_back
+from hyla.ops.checks.gla import check_inplace, write_back
 
 
 def naive_recurrent_gated_delta(q, k, v, g=None, beta=None, scale=None, initial_state=None,

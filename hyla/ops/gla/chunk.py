@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from hyla.ops.gla.checks import check_gla_inputs, check_inplace, resolve_gate, write_back
+from hyla.ops.checks.gla import check_gla_inputs, check_inplace, resolve_gate, write_back
 from hyla.ops.gla.layout import ChunkLayout
 from hyla.ops.gla.scores import intra_scores
 from hyla.ops.hardware import fast_low_precision_matmul

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hyla.ops.gla.checks import (
+from hyla.ops.checks.gla import (
     check_gla_inputs,
     check_inplace,
     resolve_gate,

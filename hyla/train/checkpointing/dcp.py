@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 from hyla.model.formats.checkpoint import save_checkpoint
 from hyla.train.checkpointing.atomic import STATE, publish
 from hyla.train.checkpointing.safe_reader import DCP, SafeReader
-from hyla.train.strategies.process_group import barrier, reshard
+from hyla.train.process_group import barrier, reshard
 
 KEPT_GROUP_KEYS = ("lr", "initial_lr")   # what the LR schedules change; the rest is config
 

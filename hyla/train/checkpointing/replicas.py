@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from hyla.model.formats.checkpoint import save_checkpoint
 from hyla.train.checkpointing.atomic import STATE, publish
+from hyla.train.process_group import barrier
 from hyla.train.strategies.fomoe import HeldExperts, held_by
-from hyla.train.strategies.process_group import barrier
 
 FORMAT = "replicas"
 

@@ -3,7 +3,7 @@
 Each rank builds the preset's Muon matrices (widths divided by ``width_divisor``: the run
 scale), runs :class:`~hyla.train.optim.dist_muon.DistMuon` with random gradient slices, and reports
 the bytes its collectives moved and the Newton-Schulz FLOPs it did, per step. The same counts
-for the unscaled preset come from :func:`hyla.train.comm.planned_traffic`, which the run
+for the unscaled preset come from :func:`hyla.train.optim.comm.planned_traffic`, which the run
 checks against its own measurement (``matches_plan``).
 """
 
@@ -18,7 +18,7 @@ import tempfile
 
 import torch
 
-from hyla.train.comm import STRATEGIES, planned_traffic
+from hyla.train.optim.comm import STRATEGIES, planned_traffic
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Newton-Schulz FLOPs at full laplace-3b width are ~6.4 TFLOP per step for all_gather on every
@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, shapes: list, s
             ns_dtype: str, comm_dtype: str) -> None:
     import torch.distributed as dist
 
-    from hyla.train.comm import rows_per_rank
+    from hyla.train.optim.comm import rows_per_rank
     from hyla.train.optim.dist_muon import DistMuon
 
     torch.set_num_threads(1)  # W processes share the machine's cores

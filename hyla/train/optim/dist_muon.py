@@ -1,7 +1,7 @@
 """Muon with row-sharded gradients over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
 
 Each rank holds a row slice of every matrix's gradient and momentum (see
-:mod:`hyla.train.comm` for the layout). Muon needs each *whole* matrix, so two strategies:
+:mod:`hyla.train.optim.comm` for the layout). Muon needs each *whole* matrix, so two strategies:
 
 - ``"all_gather"``: every rank gathers every momentum-updated matrix, orthogonalises all of
   them and keeps its own rows. Traffic per rank ~ (W-1)/W of all matrices; every rank does
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hyla.train.comm import (
+from hyla.train.optim.comm import (
     STRATEGIES,
     CommCounter,
     assign_owners,

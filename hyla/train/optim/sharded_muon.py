@@ -2,7 +2,7 @@
 
 FSDP2 cuts a matrix ``[A, B]`` along dim 0 the way ``torch.chunk`` does: rank ``r`` holds rows
 ``[r*s, min((r+1)*s, A))`` with ``s = ceil(A / W)``, which is exactly
-:func:`hyla.train.comm.row_range`. So the reduce-scattered gradient FSDP leaves in
+:func:`hyla.train.optim.comm.row_range`. So the reduce-scattered gradient FSDP leaves in
 ``p.grad.to_local()`` is the row slice :class:`~hyla.train.optim.dist_muon.DistMuon` works on: the
 momentum is updated on the slice (elementwise), every matrix goes whole to one owner rank
 (``assign_owners``: largest first, to the least loaded rank) with one all-to-all, the owner
@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from hyla.train.comm import row_range
+from hyla.train.optim.comm import row_range
 from hyla.train.optim.dist_muon import DistMuon
 from hyla.train.optim.muon import momentum_update, update_scale
 

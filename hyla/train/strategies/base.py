@@ -5,7 +5,7 @@ ranks: it prepares the model and builds the optimizers (sharding, broadcasting, 
 experts), restores them from a checkpoint, hooks into the loop (an outer sync after a step,
 its own checkpoint writer), tidies after validation, runs the loop (turning a dead rank into a
 clear error) and reports what each rank holds. The trainer calls these and nothing else, so
-it has no branch on the strategy. :func:`hyla.train.strategies.build_strategy` picks one.
+it has no branch on the strategy. :func:`hyla.train.strategies.registry.build_strategy` picks one.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from hyla.train.checkpointing.resume import restore_optimizers, restore_weights, run_dir_of
-from hyla.train.comm import CommCounter
 from hyla.train.config import TrainConfig
 from hyla.train.optim.build import run_optimizers
+from hyla.train.optim.comm import CommCounter
 from hyla.train.strategies.report import parallel_record
 
 

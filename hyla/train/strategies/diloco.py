@@ -19,7 +19,7 @@ unit is one flat all-reduce.
 
 Bytes: an all-reduce of ``n`` bytes over ``g`` ranks counts ``2 (g - 1) n / g`` sent (and as
 many received) per rank, what a ring all-reduce (reduce-scatter + all-gather) moves through
-each rank's link: category ``"outer_sync"`` in the :class:`~hyla.train.comm.CommCounter`.
+each rank's link: category ``"outer_sync"`` in the :class:`~hyla.train.optim.comm.CommCounter`.
 Buffers are not synced: a router's ``score_bias`` moves by the same update on every rank
 (:mod:`hyla.train.routing` sums the expert counts over the ranks), and its routing-stability
 probe snapshots every ``cfg.sync_every`` steps and at the last step: right after these syncs.
@@ -40,8 +40,9 @@ import torch.distributed as dist
 from torch import nn
 
 from hyla.model.formats.checkpoint import step_dirs
-from hyla.train.comm import CommCounter
 from hyla.train.optim.build import run_optimizers
+from hyla.train.optim.comm import CommCounter
+from hyla.train.process_group import broadcast_parameters, per_rank
 from hyla.train.strategies.base import Strategy
 from hyla.train.strategies.fomoe import (
     HeldExperts,
@@ -51,7 +52,6 @@ from hyla.train.strategies.fomoe import (
     hold_experts,
     require_moe,
 )
-from hyla.train.strategies.process_group import broadcast_parameters, per_rank
 
 CATEGORY = "outer_sync"
 

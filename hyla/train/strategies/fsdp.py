@@ -21,12 +21,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from hyla.ops.hardware import fast_low_precision_matmul
-from hyla.train.comm import CommCounter, count_fsdp_traffic
 from hyla.train.config import TrainConfig
+from hyla.train.optim.comm import CommCounter, count_fsdp_traffic
 from hyla.train.optim.param_groups import split_params
 from hyla.train.optim.sharded_muon import ShardedMuon
+from hyla.train.process_group import broadcast_parameters, reshard
 from hyla.train.strategies.base import Strategy
-from hyla.train.strategies.process_group import broadcast_parameters, reshard
 
 
 class Fsdp(Strategy):

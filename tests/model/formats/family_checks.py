@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from hyla.model import load_model
-from hyla.model.formats.hf.load import export_hf
+from hyla.model.formats.hf import export_hf
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -136,7 +136,7 @@ def test_refusals(tmp_path, bpe, changes, match):
 def test_export_refuses_what_ring_cannot_hold(tmp_path, bpe):
     import dataclasses
 
-    from hyla.model.formats.hf.load import export_hf
+    from hyla.model.formats.hf import export_hf
     from hyla.model.model import HylaLM
 
     model, tok = load_model(save(ring(), tmp_path / "r", bpe))

@@ -11,7 +11,7 @@ import torch
 
 from hyla.data.tokenizer import train_bpe
 from hyla.model import load_model
-from hyla.model.formats.hf.load import export_hf
+from hyla.model.formats.hf import export_hf
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,7 +15,7 @@ import torch
 from hyla.cli.main import main
 from hyla.model import load_model
 from hyla.model.formats.gguf.load import gguf_config, gguf_weights, open_gguf
-from hyla.model.formats.hf.load import hf_config_to_hyla
+from hyla.model.formats.hf import hf_config_to_hyla
 from hyla.model.load import load_tokenizer
 
 pytest.importorskip("gguf")

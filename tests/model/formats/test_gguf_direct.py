@@ -19,7 +19,7 @@ import torch
 from hyla.model import load_model
 from hyla.model.formats.gguf.load import gguf_config, gguf_weights, load_gguf_tokenizer, open_gguf
 from hyla.model.formats.gguf.reader import GGUFFile
-from hyla.model.formats.hf.load import hf_config_to_hyla
+from hyla.model.formats.hf import hf_config_to_hyla
 from hyla.model.formats.hf.tokenizer import bytes_to_unicode
 from hyla.model.names import resolve_name
 

@@ -11,7 +11,7 @@ import torch
 
 from hyla.data.tokenizer import ByteTokenizer, train_bpe
 from hyla.model import HylaLM, preset
-from hyla.model.formats.hf.load import export_hf, is_hf_directory, load_hf
+from hyla.model.formats.hf import export_hf, is_hf_directory, load_hf
 
 transformers = pytest.importorskip("transformers")
 

@@ -119,7 +119,7 @@ def test_refusals(tmp_path, bpe, changes, match):
 def test_export_refuses_what_kimi_cannot_hold(tmp_path, bpe):
     import dataclasses
 
-    from hyla.model.formats.hf.load import export_hf
+    from hyla.model.formats.hf import export_hf
     from hyla.model.model import HylaLM
 
     model, tok = load_model(save(kimi(), tmp_path / "k", bpe))

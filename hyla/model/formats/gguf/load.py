@@ -26,7 +26,7 @@ import pathlib
 
 import torch
 
-from hyla.model.formats.hf.load import hf_config_to_hyla, hf_state_to_hyla, hyla_model_from
+from hyla.model.formats.hf import hf_config_to_hyla, hf_state_to_hyla, hyla_model_from
 from hyla.model.formats.hf.tokenizer import hf_tokenizer_from
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
