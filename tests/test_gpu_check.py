@@ -14,9 +14,9 @@ SECTIONS = {"ops", "gla_speed", "streamkl_speed", "train", "serve", "decode"}
 
 
 def test_gpu_check_dry_run(tmp_path):
-    out = tmp_path / "gpu_check.json"
+    out = tmp_path / "gpu_check_dry.json"
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                           timeout=400, env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin",
                                             "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

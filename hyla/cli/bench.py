@@ -36,7 +36,7 @@ COMMANDS = {"bench": add_bench}
 
 
 def cmd_bench_muon_comm(args: argparse.Namespace, out: Console) -> int:
-    from hyla.train.optim.comm_bench import run_muon_comm
+    from hyla.train.optim.bench import run_muon_comm
 
     r = run_muon_comm(args.world, args.preset, width_divisor=args.width_divisor,
                       steps=args.steps, ns_dtype=args.ns_dtype, comm_dtype=args.comm_dtype)

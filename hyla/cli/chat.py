@@ -164,10 +164,11 @@ def cmd_chat(args: argparse.Namespace, out: Console) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()
     if args.checkpoint is not None:
-        from hyla.model.load import load_model, model_name
+        from hyla.model.load import load_model, model_name, require_tokenizer
 
         with torch_threads(args.threads):
             model, tok = load_model(args.checkpoint, device=device)
+        require_tokenizer(tok, args.checkpoint, "hyla chat")
         name = model_name(args.checkpoint)
     else:
         model, tok = random_model(args.preset, args.seed)

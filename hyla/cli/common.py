@@ -292,7 +292,7 @@ def load_model(args: argparse.Namespace, out: Console):
 
     from hyla.model.formats.checkpoint import CONFIG, latest_checkpoint
     from hyla.model.load import load_model as load_source
-    from hyla.model.load import model_name
+    from hyla.model.load import model_name, require_tokenizer
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.preset is not None:
@@ -306,7 +306,7 @@ def load_model(args: argparse.Namespace, out: Console):
             out.print(f"No checkpoint in {path}: training the quickstart model first.")
             train_quickstart(out)
     model, tok = load_source(path, device=device)
-    return model, tok, model_name(path)
+    return model, require_tokenizer(tok, path, f"hyla {args.command}"), model_name(path)
 
 
 def memory_table(report: dict) -> Table:

@@ -167,7 +167,7 @@ def cmd_text_recall(args: argparse.Namespace, out: Console) -> int:
     from hyla.eval.recall.plots import plot_recall, write_recall
     from hyla.eval.recall.text import text_recall
     from hyla.model.load import load_model as load_source
-    from hyla.model.load import model_name
+    from hyla.model.load import model_name, require_tokenizer
     from hyla.perf import machine_info, print_table
 
     try:
@@ -184,6 +184,7 @@ def cmd_text_recall(args: argparse.Namespace, out: Console) -> int:
     start, cpu = time.perf_counter(), time.process_time()
     with torch_threads(args.threads):
         model, tok = load_source(args.checkpoint)
+        require_tokenizer(tok, args.checkpoint, f"hyla eval {args.eval_command}")
         apply_quantize(model, args, out)
         loaded = time.perf_counter() - start
         records = text_recall(model, tok, pairs, contexts=contexts, limit=args.limit,
@@ -209,7 +210,7 @@ def cmd_needle(args: argparse.Namespace, out: Console) -> int:
     from hyla.eval.memory import parse_context
     from hyla.eval.needle import needle_eval, plot_needle
     from hyla.model.load import load_model as load_source
-    from hyla.model.load import model_name
+    from hyla.model.load import model_name, require_tokenizer
 
     contexts = [parse_context(c) for c in args.context.split(",") if c.strip()]
     try:
@@ -218,6 +219,7 @@ def cmd_needle(args: argparse.Namespace, out: Console) -> int:
         raise ValueError(f"depths must be comma-separated numbers in [0, 1], got "
                          f"{args.depths!r}") from e
     model, tok = load_source(args.checkpoint)
+    require_tokenizer(tok, args.checkpoint, f"hyla eval {args.eval_command}")
     apply_quantize(model, args, out)
     records = needle_eval(model, tok, contexts, depths, trials=args.trials, seed=args.seed)
     table = Table(title=f"passkey retrieval accuracy ({args.trials} trials a cell)")
@@ -241,8 +243,10 @@ def cmd_needle(args: argparse.Namespace, out: Console) -> int:
 def cmd_ppl(args: argparse.Namespace, out: Console) -> int:
     from hyla.eval.perplexity import perplexity
     from hyla.model.load import load_model as load_source
+    from hyla.model.load import require_tokenizer
 
     model, tok = load_source(args.checkpoint)
+    require_tokenizer(tok, args.checkpoint, f"hyla eval {args.eval_command}")
     apply_quantize(model, args, None if args.json else out)
     r = perplexity(model, tok, args.data, seq_len=args.seq_len, max_tokens=args.max_tokens)
     if args.json:
@@ -272,8 +276,10 @@ def cmd_harness(args: argparse.Namespace, out: Console) -> int:
         model = tok = None
         if args.quantize != "none":
             from hyla.model.load import load_model as load_source
+            from hyla.model.load import require_tokenizer
 
             model, tok = load_source(args.checkpoint)
+            require_tokenizer(tok, args.checkpoint, f"hyla eval {args.eval_command}")
             apply_quantize(model, args, out)
         try:
             results = run_harness(args.checkpoint, tasks, include_path=args.include_path,

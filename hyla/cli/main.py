@@ -89,6 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                              f"pip install 'hyla[{extra}]' (from a clone: "
                                              f"pip install -e '.[{extra}]')"))
         return 2
+    except OSError as e:    # the machine's side: a full disk, a permission, a busy port
+        where = f" ({e.filename})" if e.filename and str(e.filename) not in str(e) else ""
+        err.print(f"[red]error:[/] {escape((e.strerror or str(e)) + where)}")
+        return 1
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
     except KeyboardInterrupt:

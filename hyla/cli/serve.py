@@ -148,8 +148,10 @@ def cmd_generate(args: argparse.Namespace, out: Console) -> int:
     start = time.perf_counter()
     if args.checkpoint is not None:
         from hyla.model.load import load_model as load_source
+        from hyla.model.load import require_tokenizer
 
         model, tok = load_source(args.checkpoint)
+        require_tokenizer(tok, args.checkpoint, f"hyla {args.command}")
     else:
         model, tok = random_model(args.preset, args.seed)
     apply_quantize(model, args)

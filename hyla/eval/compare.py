@@ -78,13 +78,13 @@ def _ratio(student: float | None, teacher: float | None) -> float | None:
 
 def _load(src):
     """(model, tokenizer, name) of a source, or of a (model, tokenizer) pair."""
-    from hyla.model.load import load_model, model_name
+    from hyla.model.load import load_model, model_name, require_tokenizer
 
     if isinstance(src, tuple):
         model, tok = src
         return model, tok, getattr(model, "name", None) or "model"
     model, tok = load_model(src)
-    return model, tok, model_name(src)
+    return model, require_tokenizer(tok, src, "hyla eval compare"), model_name(src)
 
 
 def compare_models(teacher_src, student_src, *, tasks: Sequence[str] = (),

@@ -66,9 +66,10 @@ class HylaEvalLM(TemplateLM):
         if model is None:
             if checkpoint is None:
                 raise ValueError("HylaEvalLM needs checkpoint=SOURCE (or model and tokenizer)")
-            from hyla.model.load import load_model
+            from hyla.model.load import load_model, require_tokenizer
 
             model, tokenizer = load_model(checkpoint)
+            require_tokenizer(tokenizer, checkpoint, "hyla eval harness")
         if tokenizer is None:
             raise ValueError("HylaEvalLM needs the model's tokenizer")
         if device:

@@ -73,6 +73,23 @@ def load_model(source: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     return load_checkpoint(path, dtype=dtype, device=device)
 
 
+def require_tokenizer(tokenizer, source, needs: str):
+    """``tokenizer``, or a ValueError saying that ``needs`` (a command, a step) needs one and
+    ``source`` was loaded without (a transformers directory without ``tokenizer.json``).
+
+    Example:
+        >>> require_tokenizer(None, "ckpt", "hyla generate")   # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: hyla generate needs a tokenizer, and ckpt has none (no tokenizer.json ...
+    """
+    if tokenizer is None:
+        raise ValueError(f"{needs} needs a tokenizer, and {source} has none (no tokenizer.json "
+                         f"beside its config.json): copy the model's tokenizer.json (and "
+                         f"tokenizer_config.json) into it")
+    return tokenizer
+
+
 def load_tokenizer(source: str | os.PathLike):
     """Only the tokenizer of a source (what a router needs: no weights are read)."""
     path = resolve_source(source)

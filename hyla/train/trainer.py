@@ -132,9 +132,10 @@ class Trainer:
         return loss
 
     def _init_model(self):
-        from hyla.model.load import load_model
+        from hyla.model.load import load_model, require_tokenizer
 
         model, tok = load_model(self.cfg.init)
+        require_tokenizer(tok, self.cfg.init, "hyla train --init")
         if self.cfg.layers is not None and self.cfg.layers != model.cfg.layers:
             raise ValueError(f"layers={self.cfg.layers!r} differs from the layers of --init "
                              f"{self.cfg.init!r} ({model.cfg.layers!r}): leave layers unset "

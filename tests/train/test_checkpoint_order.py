@@ -132,3 +132,23 @@ def test_a_real_full_disk(trainer, tiny_disk, monkeypatch):
     with pytest.raises(OSError, match=r"not enough space on tmpfs .*left while saving"):
         checkpointing.save_train_checkpoint(trainer.loop, tiny_disk / "run" / "ckpt-000006")
     assert list((tiny_disk / "run").iterdir()) == []
+
+
+def test_hyla_train_on_a_full_disk_ends_in_one_line_not_a_traceback(tmp_path, monkeypatch,
+                                                                      capsys):
+    from hyla.cli.main import main
+
+    usage = namedtuple("usage", "total used free")
+    real = shutil.disk_usage
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr(checkpointing.shutil, "disk_usage",   # full once the run has begun
+                        lambda p: usage(100 << 20, 99 << 20, 1 << 20)
+                        if str(p).startswith(str(run_dir)) else real(p))
+    status = main(["train", "--preset", "debug", "--steps", "2", "--seq-len", "32",
+                   "--batch-size", "2", "--vocab-size", "300", "--tokenizer-documents", "5",
+                   "--eval-batches", "1", "--no-progress", "--out", str(run_dir)])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert err.startswith("error: not enough space on ") and "need" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not list(run_dir.glob(".ckpt-*"))        # nothing half-written left behind

@@ -142,7 +142,7 @@ def test_bad_arguments():
 
 
 def test_muon_shapes_scale_keeps_ratios():
-    from hyla.train.optim.comm_bench import muon_shapes
+    from hyla.train.optim.bench import muon_shapes
 
     full, small = muon_shapes("laplace-3b"), muon_shapes("laplace-3b", 16)
     assert len(full) == len(small) == 240

@@ -317,7 +317,7 @@ def load_fla(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     model.load_state_dict(state, strict=not cfg.tie_embeddings)
-    return model.eval(), load_hf_tokenizer(root, cfg.vocab_size)
+    return model.eval(), load_hf_tokenizer(root, cfg.vocab_size, required=False)
 
 
 def hyla_to_fla_config(cfg: HylaConfig) -> dict:

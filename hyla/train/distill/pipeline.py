@@ -68,9 +68,10 @@ def load_teacher(path: str):
     """(teacher HylaLM in eval mode, tokenizer) from any :func:`hyla.model.load_model` source
     (a transformers directory, a .gguf file, a hyla checkpoint...) whose layers are all
     attention."""
-    from hyla.model.load import load_model
+    from hyla.model.load import load_model, require_tokenizer
 
     model, tok = load_model(path)
+    require_tokenizer(tok, path, "hyla distill --teacher")
     if "A" not in model.cfg.layers:
         raise ValueError(f"--teacher {str(path)!r} has no attention layers "
                          f"(layers={model.cfg.layers!r}): distillation needs an all-attention "

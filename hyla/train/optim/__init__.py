@@ -2,7 +2,7 @@
 gradients (:mod:`.dist_muon`: ``all_gather`` or ``all_to_all``) and on FSDP2 shards
 (:mod:`.sharded_muon`), which parameters each optimizer takes (:mod:`.param_groups`), the pair
 a run builds from its config (:mod:`.build`) and the traffic measurement behind ``hyla bench
-muon-comm`` (:mod:`.comm_bench`)."""
+muon-comm`` (:mod:`.bench`)."""
 
 from hyla.train.optim.build import run_optimizers
 from hyla.train.optim.dist_muon import DistMuon

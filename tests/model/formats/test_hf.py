@@ -61,6 +61,32 @@ def test_load_matches_transformers_logits(tmp_path, bpe, kind, tied):
     assert tok.encode("def f(x):") == bpe.encode("def f(x):")
 
 
+
+def test_a_directory_without_tokenizer_loads_and_commands_that_need_text_say_so(tmp_path, bpe,
+                                                                              capsys):
+    """What a trainer's checkpoint or a random-init config looks like: config.json and
+    safetensors, no tokenizer.json. transformers loads it; so does hyla, without a tokenizer,
+    and exports it; commands that read or write text refuse it in one line."""
+    from hyla.cli.main import main
+    from hyla.model import load_model
+
+    path, ref = _hf_dir(tmp_path, "llama", bpe)
+    (path / "tokenizer.json").unlink()
+    model, tok = load_model(path)
+    assert tok is None
+    ids = torch.randint(0, VOCAB, (1, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-4, rtol=1e-4)
+    assert main(["export", str(path), str(tmp_path / "out"), "--format", "llama"]) == 0
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+    capsys.readouterr()
+    for argv in (["generate", "--checkpoint", str(path), "--prompt", "x", "--max-tokens", "2"],
+                 ["eval", "ppl", "--checkpoint", str(path)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "needs a tokenizer" in err and "tokenizer.json" in err, err
+        assert "Traceback" not in err
+
 def test_export_round_trip(tmp_path, bpe):
     cfg = dataclasses.replace(preset("debug"), layers="AAA", vocab_size=VOCAB, rope_theta=500.0,
                               norm_eps=1e-5)

@@ -57,7 +57,7 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
         state = hf_state_to_hyla(read_safetensors(root, dtype), cfg,
                                  str(root / "model.safetensors"))
     return hyla_model_from(cfg, state, str(root), source, dtype=dtype, device=device), \
-        load_hf_tokenizer(root, cfg.vocab_size)
+        load_hf_tokenizer(root, cfg.vocab_size, required=False)
 
 
 def hyla_model_from(cfg: HylaConfig, state: dict[str, torch.Tensor], where: str, source: str,

@@ -23,9 +23,12 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import logging
 import pathlib
 
 from hyla.data.tokenizer import EOS, BPETokenizer, ByteTokenizer
+
+log = logging.getLogger(__name__)
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -212,14 +215,20 @@ def hf_tokenizer_from(tok, source: str, vocab_size: int | None, *, eos: str | No
     return HFTokenizer(tok, eos, chat_template=chat_template, bos_token=bos)
 
 
-def load_hf_tokenizer(root: pathlib.Path, vocab_size: int | None
-                      ) -> BPETokenizer | ByteTokenizer:
+def load_hf_tokenizer(root: pathlib.Path, vocab_size: int | None, *, required: bool = True
+                      ) -> BPETokenizer | ByteTokenizer | None:
     """The tokenizer of a transformers directory, as a hyla tokenizer (see module docstring).
-    ``vocab_size``: the model's (None: not checked)."""
+    ``vocab_size``: the model's (None: not checked). Without a ``tokenizer.json``: a
+    ValueError, or None when not ``required`` (a checkpoint a trainer saved, a random-init
+    config: transformers loads those too; what needs text says so, see
+    :func:`hyla.model.load.require_tokenizer`)."""
     from tokenizers import Tokenizer
 
     root = pathlib.Path(root)
     path = root / "tokenizer.json"
+    if not path.is_file() and not required:
+        log.warning("%s has no tokenizer.json: loaded without a tokenizer", root)
+        return None
     if not path.is_file():
         raise ValueError(f"{root} has no tokenizer.json: expected a Hugging Face tokenizers file "
                          f"(a sentencepiece tokenizer.model alone is not supported)")
@@ -250,8 +259,11 @@ def _end_ids(root: pathlib.Path, eos_id: int | None, n: int) -> tuple[int, ...]:
     return tuple(sorted(ids - {eos_id}))
 
 
-def save_hf_tokenizer(tokenizer: BPETokenizer | ByteTokenizer, out: pathlib.Path) -> dict:
-    """Write ``tokenizer.json`` + ``tokenizer_config.json``; returns config.json token ids."""
+def save_hf_tokenizer(tokenizer: BPETokenizer | ByteTokenizer | None, out: pathlib.Path) -> dict:
+    """Write ``tokenizer.json`` + ``tokenizer_config.json``; returns config.json token ids.
+    A model loaded without a tokenizer (None) is written without one."""
+    if tokenizer is None:
+        return {}
     if isinstance(tokenizer, BPETokenizer):
         tokenizer.save(out / "tokenizer.json")
         eos, eos_id = tokenizer.eos_token, tokenizer.eos_id
