@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -61,8 +62,10 @@ KERNEL_MAX_ROWS = 64
 # torch 2.13's CPU int8 kernel returns garbage (inf, 1e27) unless the input size is a multiple
 # of 16 (found on an MoE's 40-wide shared expert): other sizes take the dense path.
 INT8_KERNEL_K = 16
-# The CPU int4 packing for out_features % 64 == 0: per block of 64 output rows and per input
-# column, 32 bytes whose low nibbles are rows 0-31 and high nibbles rows 32-63.
+# The CPU int4 packing for out_features % 64 == 0: per block of N output rows and per input
+# column, N / 2 bytes whose low nibbles are the block's first N / 2 rows and high nibbles the
+# rest. N is the kernel's vector width: 64 where torch's kernel is built for AVX-512, 32 on
+# AVX2-only CPUs (found on an AMD EPYC without AVX-512: _int4_block_n measures it).
 INT4_BLOCK_N = 64
 
 
@@ -189,22 +192,33 @@ def int4_fits(weight: torch.Tensor, group: int = INT4_GROUP) -> bool:
             and out_features % INT4_BLOCK_N == 0)
 
 
-def _unpack_int4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def _unpack_int4(packed: torch.Tensor, n: int, k: int, block: int | None = None
+                 ) -> torch.Tensor:
     """The [n, k] codes of a packed weight (the layout in ``INT4_BLOCK_N``'s comment)."""
-    blocks = packed.view(n // INT4_BLOCK_N, k, INT4_BLOCK_N // 2)
-    codes = torch.cat([blocks & 15, blocks >> 4], dim=-1)           # [n / 64, k, 64]
+    block = block or _int4_block_n() or INT4_BLOCK_N
+    blocks = packed.view(n // block, k, block // 2)
+    codes = torch.cat([blocks & 15, blocks >> 4], dim=-1)           # [n / block, k, block]
     return codes.transpose(1, 2).reshape(n, k)
+
+
+@functools.cache
+def _int4_block_n() -> int | None:
+    """The rows a block of torch's CPU int4 packing holds on this CPU, found by unpacking a
+    probe; None when no layout known here fits (then only the kernel reads the codes)."""
+    codes = torch.randint(0, 16, (2 * INT4_BLOCK_N, 2 * INT4_GROUP), dtype=torch.int32,
+                          generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    if packed.shape != (codes.shape[0], codes.shape[1] // 2):
+        return None
+    return next((b for b in (INT4_BLOCK_N, INT4_BLOCK_N // 2) if torch.equal(
+        _unpack_int4(packed, *codes.shape, block=b).to(torch.int32), codes)), None)
 
 
 @checked_once
 def _int4_layout_known() -> bool:
-    # The packing is torch's internal choice: check once that it is the one unpacked here,
-    # and otherwise keep to the kernel (slower for prefill, never wrong).
-    codes = torch.randint(0, 16, (2 * INT4_BLOCK_N, 2 * INT4_GROUP), dtype=torch.int32,
-                          generator=torch.Generator().manual_seed(0))
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    return (packed.shape == (codes.shape[0], codes.shape[1] // 2)
-            and torch.equal(_unpack_int4(packed, *codes.shape).to(torch.int32), codes))
+    # The packing is torch's internal choice: check once that it is one unpacked here, and
+    # otherwise keep to the kernel (slower for prefill, never wrong).
+    return _int4_block_n() is not None
 
 
 def _group_ranges(weight: torch.Tensor, group: int):
