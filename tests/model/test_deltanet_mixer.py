@@ -19,6 +19,7 @@ from hyla.eval.memory import memory_report, state_bytes
 from hyla.model import MIXERS, HylaLM, SequenceState, preset
 from hyla.model.formats.checkpoint import load_checkpoint, save_checkpoint
 from hyla.model.mixers.deltanet import CONV_KERNEL, GatedDeltaMixer, KDAMixer
+from hyla.ops.short_conv import causal_conv
 from hyla.train.distill.student import build_student, transfer_layers
 
 
@@ -140,7 +141,7 @@ def test_distillation_initialises_from_attention():
         assert torch.equal(k[1], t.k_proj.weight.view(2, 16, 64)[0])
         # the conv passes the current token through; decays slow and input-independent
         qkv = torch.randn(1, 5, s.conv.in_channels)
-        assert torch.equal(s._conv(qkv, None, None)[0], qkv)
+        assert torch.equal(causal_conv(qkv, s.conv.weight[:, 0])[0], qkv)
         x = torch.randn(1, 5, 64)
         tau = -1 / s.log_decay(x)
         assert 15 < tau.min() and tau.max() < 4200

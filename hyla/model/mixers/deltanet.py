@@ -34,6 +34,7 @@ from hyla.model.mixers.base import (
 )
 from hyla.model.mixers.delta_options import CONV_KERNEL, DeltaOptions, delta_dims
 from hyla.ops.deltanet import chunk_gated_delta, delta_decode_step, l2norm
+from hyla.ops.short_conv import causal_conv, causal_conv_step
 
 __all__ = ["CONV_KERNEL", "DeltaOptions", "GatedDeltaMixer", "KDAMixer", "delta_dims",
            "slow_dt_bias"]
@@ -162,7 +163,7 @@ class GatedDeltaMixer(Mixer):
         if self.opts.beta_scale != 1.0:
             beta = beta * self.opts.beta_scale
         if ctx.mode == "train":
-            qkv = F.silu(self._conv(qkv, ctx.cu_seqlens, None)[0])
+            qkv = F.silu(causal_conv(qkv, self.conv.weight[:, 0], ctx.cu_seqlens)[0])
             q, k, v = self._split(qkv, B, T)
             o, _ = chunk_gated_delta(q, k, v, g, beta, cu_seqlens=ctx.cu_seqlens,
                                      chunk_size=c.chunk_size)
@@ -170,15 +171,13 @@ class GatedDeltaMixer(Mixer):
             buf = ctx.buffers[self.layer_idx]
             state, window = ctx.load_fixed(buf["state"]), ctx.load_fixed(buf["conv"])
             if ctx.mode == "prefill":
-                qkv, window = self._conv(qkv, ctx.cu_seqlens, window)
+                qkv, window = causal_conv(qkv, self.conv.weight[:, 0], ctx.cu_seqlens, window)
                 q, k, v = self._split(F.silu(qkv), B, T)
                 o, state = chunk_gated_delta(q, k, v, g, beta, initial_state=state,
                                              output_final_state=True, cu_seqlens=ctx.cu_seqlens,
                                              chunk_size=c.chunk_size)
             else:                              # one token for each of B sequences
-                ext = torch.cat([window.to(qkv.dtype), qkv], dim=1)     # [B, kernel, C]
-                window = ext[:, 1:]
-                qkv = (ext * self.conv.weight[:, 0].T.to(ext.dtype)).sum(1, keepdim=True)
+                qkv, window = causal_conv_step(qkv, self.conv.weight[:, 0], window)
                 q, k, v = self._split(F.silu(qkv), B, T)
                 o = delta_decode_step(q, k, v, g, beta, state)     # updates ``state`` in place
             ctx.store_fixed(buf["state"], state)
@@ -198,40 +197,6 @@ class GatedDeltaMixer(Mixer):
             q = q.repeat_interleave(self.hv // self.hk, dim=2)
             k = k.repeat_interleave(self.hv // self.hk, dim=2)
         return q, k, v.reshape(B, T, self.hv, -1)
-
-    def _conv(self, x: torch.Tensor, cu_seqlens, window):
-        """Causal depthwise convolution of x [B, T, C] over each sequence (a batch row, or a
-        document / chunk of ``cu_seqlens``), continuing after ``window`` [N, kernel - 1, C]
-        (the sequences' previous inputs; None: zeros). Returns (y [B, T, C], the new window:
-        each sequence's last kernel - 1 inputs)."""
-        B, T, C = x.shape
-        n = self.conv.weight.shape[-1] - 1
-        dev = x.device
-        if cu_seqlens is None:
-            lengths = torch.full((B,), T, device=dev)
-        else:
-            lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        N = lengths.numel()
-        if window is None:
-            window = x.new_zeros(N, n, C)
-        # One table of rows: every sequence's window, then every token; each token reads
-        # rows t, t-1, ..., t-n of its own sequence, falling into its window before its start.
-        rows = torch.cat([window.to(x.dtype).reshape(N * n, C), x.reshape(B * T, C)])
-        seq = torch.repeat_interleave(torch.arange(N, device=dev), lengths)
-        start = torch.cumsum(lengths, 0) - lengths
-        pos = torch.arange(B * T, device=dev) - start[seq]                  # within sequence
-        shift = torch.arange(n + 1, device=dev)
-        back = pos[:, None] - shift[None]                                   # [BT, kernel]
-        idx = torch.where(back >= 0, N * n + (start[seq])[:, None] + back,
-                          seq[:, None] * n + n + back)
-        taps = self.conv.weight[:, 0].flip(-1).T.to(x.dtype)                # [kernel, C]
-        y = (rows[idx] * taps).sum(1).view(B, T, C)
-        # The new window: positions len-n .. len-1 of each sequence (into the old window
-        # where the sequence is shorter than n).
-        last = lengths[:, None] - n + torch.arange(n, device=dev)[None]     # [N, n]
-        widx = torch.where(last >= 0, N * n + start[:, None] + last,
-                           torch.arange(N, device=dev)[:, None] * n + n + last)
-        return y, rows[widx]
 
 
 @register_mixer("K")
