@@ -282,6 +282,19 @@ def small_moe() -> HylaConfig:
     return with_moe(small(), 336)
 
 
+def debug_ssm() -> HylaConfig:
+    """``debug`` with Mamba-2 (``S``) and LFM2 short-convolution (``C``) layers around one
+    attention layer: SSM state heads of 16 channels, state size 16."""
+    return dataclasses.replace(debug(), layers="SCSA", mixer_options={
+        "mamba2": {"head_dim": 16, "state_size": 16, "n_groups": 2}})
+
+
+def small_ssm() -> HylaConfig:
+    """``small``'s shape as a Granite-4.0-H-style hybrid: Mamba-2 layers (expand 2, heads of
+    64 channels, state 128, one group) with one attention layer in four."""
+    return dataclasses.replace(small(), layers="SSSA" * 2)
+
+
 def laplace_3b() -> HylaConfig:
     """The reference 3B GLA model: 24 GLA layers, d_model 3072, about 3.03B parameters.
 
@@ -303,6 +316,8 @@ PRESETS: dict[str, Callable[[], HylaConfig]] = {
     "small": small,
     "debug-moe": debug_moe,
     "small-moe": small_moe,
+    "debug-ssm": debug_ssm,
+    "small-ssm": small_ssm,
     "laplace-3b": laplace_3b,
 }
 

@@ -4,7 +4,8 @@
 :mod:`.window_gla`); ``A``: softmax attention (:mod:`.attention`);
 ``D`` (and ``K``, its per-key-channel decay): the gated delta rule (:mod:`.deltanet`; with
 ``linear_window``, :mod:`.window_delta`);
-``M``: multi-head latent attention (:mod:`.mla`).
+``M``: multi-head latent attention (:mod:`.mla`); ``S``: Mamba-2 (:mod:`.mamba2`); ``C``:
+LFM2's gated short convolution (:mod:`.short_conv`).
 A new kind is one module that subclasses :class:`Mixer` and registers its letter.
 """
 
@@ -22,8 +23,11 @@ from hyla.model.mixers.deltanet import GatedDeltaMixer, KDAMixer
 from hyla.model.mixers.gla import GLAMixer
 from hyla.model.mixers.linearised.delta import WindowedDeltaMixer, WindowedKDAMixer
 from hyla.model.mixers.linearised.gla import WindowedGLAMixer
+from hyla.model.mixers.mamba2 import Mamba2Mixer, Mamba2Options
 from hyla.model.mixers.mla import MLAMixer
+from hyla.model.mixers.short_conv import ShortConvMixer, ShortConvOptions
 
 __all__ = ["MIXERS", "AttentionMixer", "GLAMixer", "GatedDeltaMixer", "KDAMixer", "MLAMixer",
-           "Mixer", "StateSpec", "TensorSpec", "WindowedDeltaMixer", "WindowedGLAMixer",
+           "Mamba2Mixer", "Mamba2Options", "Mixer", "ShortConvMixer", "ShortConvOptions",
+           "StateSpec", "TensorSpec", "WindowedDeltaMixer", "WindowedGLAMixer",
            "WindowedKDAMixer", "layer_specs", "mixer_of_kind", "register_mixer"]
