@@ -124,6 +124,22 @@ def test_held_out_symptom_short_prompts_search_never_below_naive():
     assert again["deployments"]["prfaas"]["capacity"]["values"] == p["capacity"]["values"]
 
 
+
+def test_search_false_takes_every_deployment_as_configured():
+    """``search=False`` (disagg_variance's fixed configurations): no split or threshold
+    searched. A local function named ``search`` once shadowed the flag, so every call
+    searched."""
+    deps = small_deps(threshold=19_400, prefill=1)
+    mix = SyntheticMix(prompt_median=1500, prompt_sigma=0.9, followup=0.0, output_median=13)
+
+    def make_seed(seed):
+        return workload_maker(mix=mix, num_requests=30, seed=seed, min_duration_s=10)
+    res = compare_capacity(MODEL, deps, make_seed, [0], rel_tol=0.05, search=False)
+    p = res["deployments"]["prfaas"]
+    assert set(p["alternatives"]) == {"configured"}
+    assert p["per_seed"][0]["family"] == "configured"
+    assert res["deployments"]["homogeneous"]["choice"] == ["as configured"]
+
 def test_screening_keeps_every_family_and_never_ends_below_naive():
     """Two-stage search: all configurations on short runs, the finalists of each family on
     full ones; t = 0 always reaches the second stage, so PrfaaS >= naive still holds."""

@@ -115,7 +115,7 @@ def compare_capacity(model, deps: dict[str, Deployment],
         probe = make(1.0)
         screen = screen_seed(seed) if screen_seed is not None else None
 
-        def search(dep, cands, start, make=make, screen=screen):
+        def tournament(dep, cands, start, make=make, screen=screen):
             if screen is not None and len(cands) > 1:
                 coarse = deployment_tournament(model, cfg, dep, cands, screen, start=start,
                                                rel_tol=max(rel_tol, 0.05), keep=keep)
@@ -140,7 +140,7 @@ def compare_capacity(model, deps: dict[str, Deployment],
         if "homogeneous" in deps:
             d = deps["homogeneous"]
             space = split_space(d) if search else [Choice()]
-            row["homogeneous"] = _slim(search(d, space, start("homogeneous", d)),
+            row["homogeneous"] = _slim(tournament(d, space, start("homogeneous", d)),
                                        lambda c: c.label())
             say(f"seed {seed}: homogeneous {row['homogeneous']['capacity']:.3f} req/s "
                 f"({row['homogeneous']['choice']})")
@@ -154,7 +154,7 @@ def compare_capacity(model, deps: dict[str, Deployment],
                     cands = [c for c in space if c.family == f]
                     s0 = prev.get(f"prfaas/{f}") or (base if f != "all local" else None) \
                         or start("prfaas", d)
-                    fam[f] = _slim(search(d, cands, s0), lambda c: c.label())
+                    fam[f] = _slim(tournament(d, cands, s0), lambda c: c.label())
                     prev[f"prfaas/{f}"] = fam[f]["capacity"] or s0
                     say(f"seed {seed}: prfaas {f} {fam[f]['capacity']:.3f} req/s "
                         f"({fam[f]['choice']})")
