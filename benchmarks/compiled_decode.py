@@ -1,21 +1,11 @@
-"""What ``torch.compile`` of the decode step (``hyla serve --compile``) buys on a CPU.
+"""Compiling the decode step (``hyla serve --compile``) makes it faster, logits as eager's.
 
-The engine's runner decoding through the quantised SmolLM2-135M (int4) and a distilled
-student, eager against compiled, side by side in one process, one thread, alternating
-rounds, medians: ms a step at one sequence and at 16, after a prompt of real held-out text,
-and how far the compiled step's logits are from the eager ones (teacher-forced, the same
-tokens), plus the seconds each graph took to build.
-
-    python benchmarks/compiled_decode.py [--student runs/defaults/window-gla/ckpt-000170]
-
-Writes benchmarks/results/compiled_decode.json.
+The runner on SmolLM2-135M int4 (and ``--student``, a run directory), eager against compiled
+in alternating ``--rounds``: median ms of 24 teacher-forced steps after held-out text, 1
+sequence after 256 tokens and 16 after 64 (the student: 1 after 1,024); logit distance; graph
+build seconds. ``--quick``: 1 sequence only.
 """
 
-from __future__ import annotations
-
-import argparse
-import json
-import os
 import pathlib
 import statistics
 import time
@@ -25,27 +15,18 @@ import torch
 from hyla.data.corpus import iter_documents
 from hyla.model.load import load_model
 from hyla.model.quantize import prepare_copies, quantize_model
-from hyla.perf import machine_info
 from hyla.serve.runner import Runner
 
-RESULTS = pathlib.Path(__file__).parent / "results" / "compiled_decode.json"
 STEPS = 24
 
 
-def held_out_ids(tokenizer, n: int) -> list[int]:
-    text = ""
-    for doc in iter_documents(None, "validation"):
-        text += doc
-        ids = tokenizer.encode(text)
-        if len(ids) >= n:
-            return ids[:n]
-    raise SystemExit(f"the held-out split has fewer than {n} tokens")
+def add_args(parser) -> None:
+    parser.add_argument("--student", help="a distilled student's run directory")
 
 
-def decode_run(runner: Runner, ids: list[int], prompt: int, width: int) -> tuple[list, list]:
-    """Prefill ``width`` copies of ``ids[:prompt]``, then teacher-force STEPS tokens:
-    (ms of each step, the first sequence's logits of each step)."""
-    blocks = (prompt + STEPS) // 16 + 2
+def decode_run(runner: Runner, ids: list[int], prompt: int, width: int, blocks: int):
+    """Prefill ``width`` copies of ``ids[:prompt]``, teacher-force STEPS tokens: median ms a
+    step (the first two left out) and the first sequence's logits."""
     tables = [list(range(j * blocks, (j + 1) * blocks)) for j in range(width)]
     for j in range(width):
         runner.reset_slot(j)
@@ -53,60 +34,49 @@ def decode_run(runner: Runner, ids: list[int], prompt: int, width: int) -> tuple
     times, logits = [], []
     for i in range(STEPS):
         start = time.perf_counter()
-        out = runner.decode(list(range(width)), [ids[prompt + i]] * width,
-                            [prompt + i] * width, tables, width=width)
+        logits.append(runner.decode(list(range(width)), [ids[prompt + i]] * width,
+                                    [prompt + i] * width, tables, width=width)[0])
         times.append(1e3 * (time.perf_counter() - start))
-        logits.append(out[0])
-    return times, logits
+    return statistics.median(times[2:]), torch.stack(logits)
 
 
-def compare(name: str, model, ids: list[int], prompt: int, width: int, rounds: int) -> dict:
-    blocks = width * ((prompt + STEPS) // 16 + 2) + 1
-    runners = {mode: Runner(model, max_num_seqs=width, num_kv_blocks=blocks,
+def compare(run, model, ids: list[int], prompt: int, width: int) -> dict:
+    blocks = (prompt + STEPS) // 16 + 2
+    runners = {mode: Runner(model, max_num_seqs=width, num_kv_blocks=width * blocks + 1,
                             kv_dtype=torch.bfloat16, compile=mode == "compiled")
                for mode in ("eager", "compiled")}
     began = time.perf_counter()
-    runners["compiled"].warmup((width,), (prompt + STEPS) // 16 + 2)
+    runners["compiled"].warmup((width,), blocks)
     build_s = time.perf_counter() - began
-    ms: dict[str, list[float]] = {"eager": [], "compiled": []}
-    logits = {}
-    for r in range(rounds):
-        for mode in ("eager", "compiled") if r % 2 == 0 else ("compiled", "eager"):
-            times, logits[mode] = decode_run(runners[mode], ids, prompt, width)
-            ms[mode].append(statistics.median(times[2:]))
-    a, b = torch.stack(logits["eager"]), torch.stack(logits["compiled"])
-    row = {"model": name, "width": width, "prompt_tokens": prompt, "graph_build_s": build_s,
-           "eager_ms": statistics.median(ms["eager"]),
-           "compiled_ms": statistics.median(ms["compiled"]), "rounds_ms": ms,
-           "max_abs_logit_diff": (a - b).abs().max().item(),
-           "argmax_agreement": (a.argmax(-1) == b.argmax(-1)).float().mean().item()}
-    row["speedup"] = row["eager_ms"] / row["compiled_ms"]
-    print(json.dumps({k: v for k, v in row.items() if k != "rounds_ms"}), flush=True)
-    return row
+    got = run.rounds({m: lambda r=r: decode_run(r, ids, prompt, width, blocks)
+                      for m, r in runners.items()})
+    ms = {m: [t for t, _ in rs] for m, rs in got.items()}
+    (e, a), (c, b) = ((statistics.median(ms[m]), got[m][-1][1]) for m in ("eager", "compiled"))
+    return {"width": width, "prompt_tokens": prompt, "graph_build_s": build_s, "eager_ms": e,
+            "compiled_ms": c, "speedup": e / c, "rounds_ms": ms,
+            "max_abs_logit_diff": (a - b).abs().max().item(),
+            "argmax_agreement": (a.argmax(-1) == b.argmax(-1)).float().mean().item()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds")
-    parser.add_argument("--student", default=None, help="a distilled student run directory")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    rows = []
-    sources = [("SmolLM2-135M int4", "smollm2")]
-    if args.student:
-        sources.append((f"student {pathlib.Path(args.student).name} int4", args.student))
-    for name, source in sources:
+def main(run) -> None:
+    torch.set_num_threads(run.args.threads or 1)
+    rows, student = [], run.args.student
+    for name, source in [("SmolLM2-135M int4", "smollm2")] + (
+            [(f"student {pathlib.Path(student).name} int4", student)] if student else []):
         model, tokenizer = load_model(source)
         quantize_model(model, "int4")
         prepare_copies(model)
-        ids = held_out_ids(tokenizer, 1024 + STEPS)
-        for width, prompt in ((1, 256), (16, 64)) if source == "smollm2" else ((1, 1024),):
-            rows.append(compare(name, model, ids, prompt, width, args.rounds))
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": machine_info(), "threads": 1,
-                                   "load": os.getloadavg(), "rounds": args.rounds,
-                                   "rows": rows}, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+        text = ""
+        for doc in iter_documents(None, "validation"):          # held-out text
+            if len(ids := tokenizer.encode(text := text + doc)) >= 1024 + STEPS:
+                break
+        shapes = ((1, 256), (16, 64)) if source == "smollm2" else ((1, 1024),)
+        for width, prompt in shapes[:1] if run.args.quick else shapes:
+            run.progress(f"{name}, {width} wide after {prompt} tokens")
+            rows.append({"model": name, **compare(run, model, ids, prompt, width)})
+    run.table("decode step, eager against compiled (ms, medians)",
+              [{k: v for k, v in r.items() if k != "rounds_ms"} for r in rows])
+    run.save(rows, summary="; ".join(
+        f"{r['model']}, {r['width']} wide after {r['prompt_tokens']} tokens: "
+        f"{r['eager_ms']:.1f} -> {r['compiled_ms']:.1f} ms a step ({r['speedup']:.2f}x)"
+        for r in rows))

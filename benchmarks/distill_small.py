@@ -1,27 +1,13 @@
-"""Claim under test: ``hyla distill`` turns an attention teacher into a hybrid that beats the
-same hybrid trained from scratch on the same tokens, with stage 1 running at lengths where a
-materialised attention KL could not.
+"""Distilled hybrids beat the same hybrids trained from scratch; stage 1 runs where a KL cannot.
 
-On this CPU, at a stated scale:
-1. train an all-attention ``small`` teacher (8 x A) on the embedded stdlib corpus;
-2. export it with ``hyla export --format llama`` (a transformers directory);
-3. distil it (from that directory) into ``GGGAGGGA`` (A layers compressed to 2 KV heads, so
-   stage 1 uses StreamKL) and ``GGGGGGGG`` students;
-4. train each student's architecture from scratch on as many tokens as its distillation saw;
-5. report validation perplexity (teacher; students after stage 1 and 2; scratch), passkey
-   retrieval ("needle"), and state bytes per sequence at 8K against the teacher's KV cache;
-6. run one stage-1 step at ``--long-context`` tokens (default 16,384) in a subprocess, and the
-   materialised KL of one layer at that length under the same address-space cap.
-
-    python benchmarks/distill_small.py            # ~15-20 minutes on 2 cores
-    python benchmarks/distill_small.py --quick    # a smoke run
-
-Writes ``benchmarks/results/distill_small.json`` and ``distill_small.png``.
+A miniature (fp32, AdamW, 4 x 256 tokens a step, finished runs in ``--work`` reused): an 8 x A
+``small`` teacher (120 steps), exported to a transformers directory, distilled (``plain-gla``,
+30 + 60 steps) into ``GGGAGGGA`` (2 KV heads: StreamKL) and ``GGGGGGGG``, and each student
+trained from scratch as long: perplexity, passkey at 256 tokens, state at 8K
+(``distill_small.png``); then one stage-1 step and one materialised KL at 16,384 tokens under
+an 8 GiB cap. ``--quick``: a ``debug``-sized teacher, 6 + 3 + 3 steps, 2,048 tokens.
 """
 
-from __future__ import annotations
-
-import argparse
 import dataclasses
 import json
 import pathlib
@@ -34,239 +20,154 @@ import time
 
 import torch
 
-from hyla.perf import RESULTS_DIR, print_table, tune_cpu_allocator, write_results
+from benchmarks.train_common import curve, figure, jsonl, out_dir, save_figure, scores, stem
 
 STUDENTS = {"GGGA": ("GGGA" * 2, 2), "GGGG": ("G" * 8, None)}
+SEQ, BATCH, CAP_GIB = 256, 4, 8.0
+FULL = {"preset": "small", "kv": 6, "teacher": 120, "stage1": 30, "stage2": 60,
+        "eval_tokens": 16384, "trials": 2, "long": 16384}
+QUICK = FULL | {"preset": "debug", "kv": 4, "teacher": 6, "stage1": 3, "stage2": 3,
+                "eval_tokens": 2048, "trials": 1, "long": 2048}
 
 
-def _register_presets(student_cfgs: dict) -> None:
-    from hyla.model.config import PRESETS, small
-
-    PRESETS["small-attention"] = lambda: dataclasses.replace(small(), layers="A" * 8)
-    for name, cfg in student_cfgs.items():
-        PRESETS[f"scratch-{name}"] = (lambda c=cfg: dataclasses.replace(c))
+def add_args(parser) -> None:
+    parser.add_argument("--work", default=None, help="folder of the runs (default: a temporary)")
 
 
-def _records(path: pathlib.Path) -> list[dict]:
-    return [json.loads(line) for line in path.open()]
-
-
-def _done(run: pathlib.Path, steps: int) -> bool:
-    """A finished run in the work folder is reused (the script can be rerun after a stop)."""
-    return (run / f"ckpt-{steps:06d}" / "model.safetensors").is_file()
-
-
-def _train_seconds(run: pathlib.Path, tokens_per_step: int) -> float:
-    """Training time from the per-step throughput the run logged (evaluations excluded)."""
-    total, seen = 0.0, 0
-    for r in _records(run / "metrics.jsonl"):
-        tokens = r.get("tokens", seen + tokens_per_step)
-        total += (tokens - seen) / r["tokens_per_s"]
-        seen = tokens
-    return round(total, 1)
-
-
-def _eval(model, tok, args) -> dict:
-    from hyla.eval.needle import needle_eval
-    from hyla.eval.perplexity import perplexity
-
-    torch.manual_seed(0)
-    ppl = perplexity(model, tok, seq_len=args.seq_len, max_tokens=args.eval_tokens)
-    needle = needle_eval(model, tok, [args.needle_context], (0.25, 0.75), trials=args.trials)
-    correct = sum(r["correct"] for r in needle)
-    return {"ppl": round(ppl["perplexity"], 2), "ppl_tokens": ppl["tokens"],
-            "needle": f"{correct}/{sum(r['trials'] for r in needle)}"}
-
-
-def long_child(hf_dir: str, length: int, cap_gib: float, mode: str) -> None:
-    """Subprocess: one stage-1 step (mode 'stream') or one materialised KL ('naive')."""
-    cap = int(cap_gib * 2**30)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    tune_cpu_allocator()
+def long_child(hf_dir: str, length: str, mode: str) -> None:
+    """A child process under the cap: one stage-1 step (``stream``) or one materialised KL."""
+    resource.setrlimit(resource.RLIMIT_AS, (int(CAP_GIB * 2**30),) * 2)
     torch.set_num_threads(2)
-    start = time.perf_counter()
+    length, extra, start = int(length), {}, time.perf_counter()
     try:
         if mode == "stream":
             from hyla.train.distill import Distiller
             from hyla.train.distill.config import DistillConfig
 
-            layers, kv = STUDENTS["GGGA"]
-            d = Distiller(DistillConfig(teacher=hf_dir, recipe="plain-gla", layers=layers,
-                                        student_kv_heads=kv,
-                                        stage1_steps=1, stage2_steps=0, seq_len=256,
-                                        stage1_seq_len=length, batch_size=1,
-                                        optimizer="adamw", out=tempfile.mkdtemp()))
+            d = Distiller(DistillConfig(
+                teacher=hf_dir, recipe="plain-gla", layers="GGGA" * 2, student_kv_heads=2,
+                stage1_steps=1, stage2_steps=0, seq_len=SEQ, stage1_seq_len=length,
+                batch_size=1, optimizer="adamw", out=tempfile.mkdtemp()))
             start = time.perf_counter()
-            rec = d.train_step()  # stage 1: stage1_steps=1
-            extra = {"loss": rec["loss"], "layers": rec["layers"]}
+            extra = {"loss": d.train_step()["loss"]}
         else:
             from hyla.ops.streamkl import attention_kl
 
-            q = torch.randn(1, length, 6, 64, requires_grad=True)
-            k = torch.randn(1, length, 2, 64, requires_grad=True)
+            q, k = torch.randn(1, length, 6, 64, requires_grad=True), torch.randn(
+                1, length, 2, 64, requires_grad=True)
             attention_kl(q.detach(), k.detach(), q, k, backend="naive").backward()
-            extra = {}
         ok, error = True, None
     except (MemoryError, RuntimeError) as e:
-        ok, error, extra = False, str(e).splitlines()[0][:200], {}
-    print(json.dumps({"mode": mode, "ok": ok, "error": error, "seconds": time.perf_counter()
-                      - start, "peak_rss_bytes": _peak_rss(), **extra}))
+        ok, error = False, str(e).splitlines()[0][:200]
+    # VmHWM: the peak resident set since exec (ru_maxrss would include the parent's)
+    rss = next(int(ln.split()[1]) * 1024 for ln in open("/proc/self/status")
+               if ln.startswith("VmHWM:"))
+    print(json.dumps({"mode": mode, "ok": ok, "error": error, "peak_rss_bytes": rss,
+                      "seconds": time.perf_counter() - start, **extra}))
 
 
-def _peak_rss() -> int:
-    """This process's peak resident set (VmHWM; unlike ru_maxrss it restarts at exec)."""
-    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return -1
-
-
-def _run_child(hf_dir, length, cap_gib, mode, timeout=600) -> dict:
-    cmd = [sys.executable, __file__, "--long-child", str(hf_dir), str(length), str(cap_gib), mode]
+def long_run(hf_dir, length: int, mode: str) -> dict:
+    child = "import sys, benchmarks.distill_small as b; b.long_child(*sys.argv[1:])"
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run([sys.executable, "-c", child, str(hf_dir), str(length), mode],
+                             capture_output=True, text=True, timeout=600,
+                             cwd=pathlib.Path(__file__).resolve().parent.parent)
     except subprocess.TimeoutExpired:
-        return {"mode": mode, "ok": False, "error": f"not finished in {timeout} s"}
+        return {"mode": mode, "ok": False, "error": "not finished in 600 s"}
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    if not lines:
-        return {"mode": mode, "ok": False, "error": (out.stderr.strip().splitlines() or
-                                                     ["no output"])[-1][:200]}
-    return json.loads(lines[-1])
+    return json.loads(lines[-1]) if lines else {
+        "mode": mode, "ok": False, "error": (out.stderr.strip() or "no output")[-200:]}
 
 
 def plot(rows, curves, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    names = [r["model"] for r in rows]
-    a.barh(names, [r["ppl"] for r in rows], color="tab:blue")
+    fig, (a, b) = figure(2, (12, 4.5))
+    a.barh([r["model"] for r in rows], [r["ppl_val"] for r in rows], color="tab:blue")
     a.invert_yaxis()
     a.set_xlabel("validation perplexity (lower is better)")
     for i, r in enumerate(rows):
-        a.text(r["ppl"], i, f" {r['ppl']:.1f}", va="center", fontsize=8)
+        a.text(r["ppl_val"], i, f" {r['ppl_val']:.1f}", va="center", fontsize=8)
     for label, (x, y) in curves.items():
         b.plot(x, y, label=label)
-    b.set_xlabel("training tokens")
-    b.set_ylabel("next-token cross-entropy (train batches)")
-    b.set_title("stage 2 (after stage 1) vs from scratch")
+    b.set(xlabel="training tokens", ylabel="next-token cross-entropy (train batches)",
+          title="stage 2 (after stage 1) vs from scratch")
     b.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
-def main() -> None:  # noqa: PLR0915 - one linear script
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--teacher-steps", type=int, default=120)
-    p.add_argument("--stage1-steps", type=int, default=30)
-    p.add_argument("--stage2-steps", type=int, default=60)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--eval-tokens", type=int, default=16384)
-    p.add_argument("--needle-context", type=int, default=256)
-    p.add_argument("--trials", type=int, default=2)
-    p.add_argument("--long-context", type=int, default=16384)
-    p.add_argument("--cap-gib", type=float, default=8.0)
-    p.add_argument("--threads", type=int, default=2, help="torch threads")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--work", default=None, help="folder for the runs (default: a temp dir)")
-    p.add_argument("--long-child", nargs=4, default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.long_child:
-        hf, length, cap, mode = args.long_child
-        long_child(hf, int(length), float(cap), mode)
-        return
-    if args.quick:
-        args.teacher_steps, args.stage1_steps, args.stage2_steps = 6, 3, 3
-        args.eval_tokens, args.trials, args.long_context = 2048, 1, 2048
-    tune_cpu_allocator()
-    torch.set_num_threads(args.threads)
+def main(run) -> None:
     from hyla.cli import main as hyla
     from hyla.eval.memory import kv_cache_bytes, state_bytes
     from hyla.model import preset
-    from hyla.model.formats.checkpoint import load_checkpoint
+    from hyla.model.config import PRESETS
+    from hyla.model.formats.checkpoint import load_checkpoint as load
     from hyla.train.config import TrainConfig
     from hyla.train.distill import Distiller
     from hyla.train.distill.config import DistillConfig
     from hyla.train.distill.student import student_config
     from hyla.train.trainer import Trainer
 
-    work = pathlib.Path(args.work or tempfile.mkdtemp(prefix="distill_small_"))
-    teacher_cfg = dataclasses.replace(preset("small"), layers="A" * 8)
-    student_cfgs = {n: student_config(teacher_cfg, lay, kv) for n, (lay, kv) in STUDENTS.items()}
-    _register_presets(student_cfgs)
-    common = dict(seq_len=args.seq_len, batch_size=args.batch_size, optimizer="adamw", lr=3e-3,
-                  warmup_steps=5, eval_batches=4, seed=0)
-    timings, rows, curves = {}, [], {}
-    tps = args.seq_len * args.batch_size
+    s = QUICK if run.args.quick else FULL
+    work = pathlib.Path(run.args.work or tempfile.mkdtemp(prefix="distill_small_"))
+    teacher_cfg = dataclasses.replace(preset(s["preset"]), layers="A" * 8, n_kv_heads=s["kv"])
+    PRESETS["small-attention"] = lambda: teacher_cfg    # TrainConfig takes a preset's name
+    common = dict(seq_len=SEQ, batch_size=BATCH, optimizer="adamw", lr=3e-3, warmup_steps=5,
+                  eval_batches=4, seed=0)
+    tps, total, timings, curves, headline = SEQ * BATCH, s["stage1"] + s["stage2"], {}, {}, []
 
-    if not _done(work / "teacher", args.teacher_steps):
-        Trainer(TrainConfig(preset="small-attention", steps=args.teacher_steps,
-                            save_every=args.teacher_steps, out=str(work / "teacher"),
-                            **common)).fit()
-    timings["teacher"] = _train_seconds(work / "teacher", tps)
+    def fit(cls, cfg, steps):    # a finished run in the work folder is reused
+        if not (pathlib.Path(cfg.out) / f"ckpt-{steps:06d}" / "model.safetensors").is_file():
+            run.progress(f"training {cfg.out}")
+            cls(cfg).fit()
+        timings[pathlib.Path(cfg.out).name] = round(curve(cfg.out, tps)[-1]["train_seconds"], 1)
+
+    def row(model, label, steps, state):
+        run.progress(f"scoring {label}")
+        return {"model": label, "tokens": steps * tps, "state_8k_bytes": state,
+                "vs_teacher_kv": f"{kv_bytes / state:.1f}x less",
+                **scores(model, tok, {"val": None}, tokens=s["eval_tokens"], seq_len=SEQ,
+                         passkey=256, trials=s["trials"])}
+
+    fit(Trainer, TrainConfig(preset="small-attention", steps=s["teacher"], out=str(
+        work / "teacher"), save_every=s["teacher"], **common), s["teacher"])
     if not (work / "hf" / "config.json").is_file():
         assert hyla(["export", "--format", "llama", str(work / "teacher"), str(work / "hf")]) == 0
-    teacher, tok = load_checkpoint(work / "teacher")
-    rows.append({"model": "teacher (8 x A)", "tokens": args.teacher_steps * args.seq_len
-                 * args.batch_size, **_eval(teacher, tok, args),
-                 "state_8k_bytes": kv_cache_bytes(teacher_cfg, 8192)})
-
-    total = args.stage1_steps + args.stage2_steps
+    teacher, tok = load(work / "teacher")
+    kv_bytes = kv_cache_bytes(teacher_cfg, 8192)
+    rows = [row(teacher, "teacher (8 x A)", s["teacher"], kv_bytes)]
     for name, (layers, kv) in STUDENTS.items():
-        out = work / f"student-{name}"
-        if not _done(out, total):
-            Distiller(DistillConfig(teacher=str(work / "hf"), recipe="plain-gla", layers=layers,
-                                    student_kv_heads=kv,
-                                    stage1_steps=args.stage1_steps,
-                                    stage2_steps=args.stage2_steps, save_every=total,
-                                    out=str(out), stage1_lr=1e-3, **common)).fit()
-        timings[f"distill-{name}"] = _train_seconds(out, tps)
-        state = state_bytes(student_cfgs[name], 8192)["total"]
-        for stage, path in (("stage 1", out / "stage1"), ("stage 2", out)):
-            model, _ = load_checkpoint(path)
-            rows.append({"model": f"{layers} kv={kv or 6} after {stage}",
-                         "tokens": (args.stage1_steps if stage == "stage 1" else total)
-                         * args.seq_len * args.batch_size, **_eval(model, tok, args),
-                         "state_8k_bytes": state})
-        recs = [r for r in _records(out / "metrics.jsonl") if r["stage"] == 2]
+        out, scratch, label = work / f"student-{name}", work / f"scratch-{name}", \
+            f"{layers} kv={kv or s['kv']}"
+        cfg = student_config(teacher_cfg, layers, kv)
+        PRESETS[f"scratch-{name}"], state = (lambda c=cfg: c), state_bytes(cfg, 8192)["total"]
+        fit(Distiller, DistillConfig(
+            teacher=str(work / "hf"), recipe="plain-gla", layers=layers, student_kv_heads=kv,
+            stage1_steps=s["stage1"], stage2_steps=s["stage2"], save_every=total, out=str(out),
+            stage1_lr=1e-3, report_tokens=0, **common), total)
+        rows += [row(load(out / "stage1")[0], f"{label} after stage 1", s["stage1"], state),
+                 row(load(out)[0], f"{label} after stage 2", total, state)]
+        recs = [r for r in jsonl(out / "metrics.jsonl") if r["stage"] == 2]
         curves[f"{name} distilled (stage 2 CE)"] = (
-            [(args.stage1_steps + i + 1) * tps for i in range(len(recs))], [r["ce"] for r in recs])
-
-        scratch = work / f"scratch-{name}"
+            [(s["stage1"] + i + 1) * tps for i in range(len(recs))], [r["ce"] for r in recs])
         scratch.mkdir(parents=True, exist_ok=True)
         shutil.copy(work / "teacher" / "tokenizer.json", scratch / "tokenizer.json")
-        if not _done(scratch, total):
-            Trainer(TrainConfig(preset=f"scratch-{name}", steps=total, save_every=total,
-                                out=str(scratch), **common)).fit()
-        timings[f"scratch-{name}"] = _train_seconds(scratch, tps)
-        model, _ = load_checkpoint(scratch)
-        rows.append({"model": f"{layers} kv={kv or 6} from scratch",
-                     "tokens": total * tps, **_eval(model, tok, args), "state_8k_bytes": state})
-        recs = _records(scratch / "metrics.jsonl")
+        fit(Trainer, TrainConfig(preset=f"scratch-{name}", steps=total, save_every=total,
+                                 out=str(scratch), **common), total)
+        rows.append(row(load(scratch)[0], f"{label} from scratch", total, state))
+        recs = jsonl(scratch / "metrics.jsonl")
         curves[f"{name} from scratch"] = ([r["tokens"] for r in recs], [r["loss"] for r in recs])
-
-    kv_bytes = kv_cache_bytes(teacher_cfg, 8192)
-    for r in rows:
-        r["vs_teacher_kv"] = f"{kv_bytes / r['state_8k_bytes']:.1f}x less"
-    long_rows = [_run_child(work / "hf", args.long_context, args.cap_gib, m)
-                 for m in ("stream", "naive")]
-    materialised = 1 * 6 * args.long_context ** 2 * 4  # one [B, H, T, T] fp32 score matrix
-    print_table("distillation of an all-attention small teacher (validation perplexity, "
-                "passkey hits, state per sequence at 8K, bf16 KV)", rows)
-    print_table(f"one stage-1 step at {args.long_context:,} tokens under a {args.cap_gib:g} GiB "
-                f"address-space cap (one fp32 T x T score matrix: {materialised / 2**30:.1f} "
-                f"GiB)", [{k: v for k, v in r.items() if k != "layers"} for r in long_rows])
-    name = "distill_small_quick" if args.quick else "distill_small"
-    path = write_results(name, rows, long_context=long_rows, timings_s=timings,
-                         materialised_score_matrix_bytes=materialised, teacher_kv_8k=kv_bytes,
-                         settings={k: v for k, v in vars(args).items() if k != "long_child"},
-                         curves={k: {"tokens": x, "loss": y} for k, (x, y) in curves.items()})
-    plot(rows, curves, RESULTS_DIR / f"{name}.png")
-    print(f"wrote {path} and {RESULTS_DIR / (name + '.png')}; runs in {work}")
-
-
-if __name__ == "__main__":
-    main()
+        headline.append(f"{layers} {rows[-2]['ppl_val']:.0f} vs {rows[-1]['ppl_val']:.0f}")
+    run.progress(f"one stage-1 step and one materialised KL at {s['long']:,} tokens")
+    stream, naive = long = [long_run(work / "hf", s["long"], m) for m in ("stream", "naive")]
+    matrix = 6 * s["long"] ** 2 * 4  # one [B, H, T, T] fp32 score matrix
+    run.table("distillation of an all-attention teacher (validation perplexity, passkey hits, "
+              "state a sequence at 8K, bf16 KV)", rows)
+    run.table(f"one stage-1 step at {s['long']:,} tokens under a {CAP_GIB:g} GiB address-space "
+              f"cap (one fp32 T x T score matrix: {matrix / 2**30:.1f} GiB)", long)
+    plot(rows, curves, out_dir(run) / f"{stem(run)}.png")
+    run.save(rows, long_context=long, timings_s=timings, settings=s, teacher_kv_8k=kv_bytes,
+             materialised_score_matrix_bytes=matrix,
+             curves={k: {"tokens": x, "loss": y} for k, (x, y) in curves.items()},
+             summary=f"perplexity teacher {rows[0]['ppl_val']:.0f}; distilled vs from scratch "
+             + ", ".join(headline) + f"; stage 1 at {s['long']:,} tokens " + (
+                 f"in {stream['peak_rss_bytes'] / 1e9:.2f} GB peak RSS" if stream["ok"] else
+                 "failed") + f", materialised KL {'ran' if naive['ok'] else 'failed'}")

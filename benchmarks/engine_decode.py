@@ -1,95 +1,95 @@
-"""Claim: the serving engine's single-request decode is faster with its KV cache read in
-place (no per-step gather) and held in bfloat16 where bf16 is fast, for each weight scheme.
+"""Single-request decode got faster: KV read in place, in bf16, and against earlier revisions.
 
-One request at a time through :class:`hyla.serve.engine.Engine` (what ``hyla serve``,
-``generate`` and ``chat`` run), on SmolLM2-135M-Instruct Q4_1 by default, for each
-``--quantize`` scheme and each prompt length. Two engines per scheme, side by side in
-alternating rounds:
-
-- ``before``: KV blocks in the model's dtype (fp32), every decode step gathers each
-  sequence's blocks into a new tensor (``Runner(kv_in_place=False)``, the old path);
-- ``after``: KV blocks in ``--kv-cache-dtype`` (auto: the model's; bfloat16 halves them),
-  decode reads the blocks in place.
-
-Decode tok/s counts the tokens after the first (the first is the prompt's), median of the
-rounds. The prompt is the same each round, so from the second round on the prefix cache
-serves it and rounds cost little beyond their decode. ``--profile`` adds a torch.profiler
-table of one ``after`` decode run per scheme (self CPU time by op).
-
-    python benchmarks/engine_decode.py --threads 1            # SmolLM2, 128 and 1024 tokens
-    python benchmarks/engine_decode.py --preset debug --quick  # seconds
-
-Writes ``benchmarks/results/engine_decode.json`` (``engine_decode_quick.json`` with --quick).
+SmolLM2-135M Q4_1, one request, per scheme and prompt, decode tok/s after the first token by
+wall and CPU time, alternating ``--rounds``: ``before`` keeps KV in the model's dtype and
+gathers it every step, ``after`` reads it in place in ``--kv-cache-dtype``; with ``--base REV``
+instead that revision's ``hyla`` (``git archive``: no git state changes) against the working
+tree, each in a fresh process, also through ``generate_text`` (CPU time). ``--profile``: self
+CPU by op. ``--quick``: 64-token prompt, 16 tokens, 2 rounds (1 with ``--base``).
 """
-
-from __future__ import annotations
 
 import argparse
 import copy
-import os
+import json
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
 
+from benchmarks.serve_common import ROOT, decode_rate, engine, revision_tree, tree_env
+from hyla.model.load import load_model
 from hyla.model.quantize import quantize_model
-from hyla.perf import print_table, tune_cpu_allocator, write_results
-from hyla.serve.engine import Engine, EngineConfig
-from hyla.serve.sequence import SamplingParams
+
+CHILD = (f"import sys; sys.path.append({str(ROOT)!r}); "
+         "from benchmarks.engine_decode import workload; workload(*sys.argv[1:])")
 
 
-def load(args):
-    if args.preset:
-        from hyla.model import HylaLM, preset
-
-        torch.manual_seed(0)
-        return HylaLM(preset(args.preset)).eval(), f"hyla-{args.preset} (random)"
-    from hyla.model.load import load_model, model_name
-
-    model, _ = load_model(args.checkpoint)
-    return model, model_name(args.checkpoint)
+def add_args(p) -> None:
+    p.add_argument("--base", metavar="REV", help="before: this git revision (default: old path)")
+    p.add_argument("--schemes", default="none,int8,int4", help="comma-separated (%(default)s)")
+    p.add_argument("--prompts", default="128,1024", help="prompt lengths (%(default)s)")
+    p.add_argument("--tokens", type=int, default=48, help="tokens a request (%(default)s)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="the after engine's KV dtype (default: %(default)s)")
+    p.add_argument("--profile", action="store_true", help="profile one decode a scheme")
 
 
-def engine(model, variant: str, max_len: int, kv_dtype: str = "auto") -> Engine:
-    after = variant == "after"
-    eng = Engine(model, None, EngineConfig(max_num_seqs=1, max_model_len=max_len,
-                                           kv_cache_dtype=kv_dtype if after else None))
-    eng.runner.kv_in_place = after
-    return eng
+def quantized(base, schemes: str):
+    for scheme in schemes.split(","):
+        quantize_model(model := copy.deepcopy(base), scheme)
+        yield scheme, model
 
 
-def decode_rate(eng: Engine, prompt: list[int], tokens: int) -> tuple[float, float]:
-    """Decode tok/s of one greedy request (the tokens after its first): by wall time, and by
-    this thread's CPU time (with one torch thread, the work itself: steadier on a machine
-    other processes load)."""
-    eng.add_request(prompt, SamplingParams(max_tokens=tokens, temperature=0,
-                                           ignore_eos=True))
-    first = cpu = None
-    n = 0
-    while eng.has_unfinished():
-        for o in eng.step():
-            n += len(o.token_ids)
-            if first is None and o.token_ids:
-                first, cpu, n = time.perf_counter(), time.thread_time(), 0
-    return n / (time.perf_counter() - first), n / (time.thread_time() - cpu)
+def workload(schemes: str, prompts: str, tokens: str) -> None:
+    """``--base``: one tree's figures, in a child process with that tree first on the path."""
+    from hyla.cli.common import generate_text
+
+    torch.set_num_threads(1)
+    tokens, (base, tok), out = int(tokens), load_model("smollm2"), {}
+
+    def gen_cpu(model, text, n):
+        c = time.thread_time()
+        generate_text(model, tok, text, argparse.Namespace(max_tokens=n, temperature=0.0,
+                                                           top_k=None, top_p=1.0, seed=0))
+        return time.thread_time() - c
+
+    for scheme, model in quantized(base, schemes):
+        for n in map(int, prompts.split(",")):
+            ids = [(17 + 31 * i) % model.cfg.vocab_size for i in range(n)]
+            eng = engine(model, max_num_seqs=1, max_model_len=n + tokens + 16)
+            decode_rate(eng, ids, tokens)                 # warm-up; the prompt is cached after
+            rates = [decode_rate(eng, ids, tokens) for _ in range(2)]
+            gen_cpu(model, text := tok.decode(ids), 2)    # warm-up
+            one, full = gen_cpu(model, text, 1), gen_cpu(model, text, tokens)
+            out[f"{scheme}/{n}/engine"] = [statistics.median(r[i] for r in rates) for i in (0, 1)]
+            out[f"{scheme}/{n}/generate"] = [None, (tokens - 1) / max(full - one, 1e-9)]
+    print("RESULT " + json.dumps(out))
 
 
-def generate_rate(model, state, prompt: list[int], tokens: int) -> tuple[float, float]:
-    """As :func:`decode_rate` for ``hyla generate``'s loop (:func:`stream_tokens`) on
-    ``state``: a SequenceState (HylaLM.prefill/decode, the old path) or a RunnerState."""
-    from hyla.model.stream import stream_tokens
-
-    first = cpu = None
-    n = 0
-    for _ in stream_tokens(model, state, prompt, tokens + 1, temperature=0):
-        if first is None:
-            first, cpu = time.perf_counter(), time.thread_time()
-        else:
-            n += 1
-    return n / (time.perf_counter() - first), n / (time.thread_time() - cpu)
+def on_tree(tree, a) -> dict:
+    proc = subprocess.run([sys.executable, "-c", CHILD, a.schemes, a.prompts, str(a.tokens)],
+                          env=tree_env(tree), cwd=tempfile.gettempdir(), capture_output=True,
+                          text=True, timeout=1800)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"workload failed on {tree}:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-def profile(eng: Engine, prompt: list[int], tokens: int, top: int = 12) -> list[dict]:
+def row(key: str, got: dict, **extra) -> dict:
+    """Medians of (wall, CPU) tok/s over rounds, before and after."""
+    (bw, bc), (aw, ac) = ([None if r[0][i] is None else statistics.median(x[i] for x in r)
+                           for i in (0, 1)] for r in (got["before"], got["after"]))
+    scheme, prompt, path = key.split("/")
+    return {"quantize": scheme, "prompt": int(prompt), "path": path, "before_tok_s": bw,
+            "after_tok_s": aw, "before_cpu_tok_s": bc, "after_cpu_tok_s": ac,
+            "speedup_cpu": ac / bc, **extra}
+
+
+def profile(eng, prompt: list[int], tokens: int) -> list[dict]:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -98,101 +98,41 @@ def profile(eng: Engine, prompt: list[int], tokens: int, top: int = 12) -> list[
         decode_rate(eng, prompt, tokens)
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events)
-    return [{"op": e.key[:48], "calls": e.count,
-             "self_ms_per_token": e.self_cpu_time_total / 1e3 / tokens,
-             "share": e.self_cpu_time_total / total} for e in events[:top]]
+    return [{"op": e.key[:48], "calls": e.count, "share": e.self_cpu_time_total / total,
+             "self_ms_per_token": e.self_cpu_time_total / 1e3 / tokens} for e in events[:12]]
 
 
-def main(argv=None) -> None:
-    tune_cpu_allocator()
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", default="smollm2", help="any load_model source "
-                   "(default: %(default)s)")
-    p.add_argument("--preset", default=None, help="random weights of a preset instead")
-    p.add_argument("--schemes", default="none,int8,int4",
-                   help="comma-separated --quantize schemes (default: %(default)s)")
-    p.add_argument("--prompts", default="128,1024",
-                   help="comma-separated prompt lengths (default: %(default)s)")
-    p.add_argument("--tokens", type=int, default=48, help="tokens decoded a request "
-                   "(default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds "
-                   "(default: %(default)s)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
-    p.add_argument("--profile", action="store_true", help="profile one decode per scheme")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="the after engine's KV dtype (default: %(default)s)")
-    p.add_argument("--quick", action="store_true", help="64-token prompt, 2 rounds")
-    p.add_argument("--generate", action="store_true",
-                   help="also hyla generate's loop: HylaLM.prefill/decode (before) against "
-                        "the runner (RunnerState, after)")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    if args.quick:
-        args.prompts, args.rounds, args.tokens = "64", 2, 16
-    base, name = load(args)
-    prompts = [int(x) for x in args.prompts.split(",")]
-    vocab = base.cfg.vocab_size
+def main(run) -> None:
+    a = run.args
+    torch.set_num_threads(a.threads or 1)
+    if a.quick:
+        a.prompts, a.tokens, a.rounds = "64", 16, 1 if a.base else 2
     rows, profiles = [], {}
-    for scheme in args.schemes.split(","):
-        model = copy.deepcopy(base)
-        quantize_model(model, scheme)
-        for n in prompts:
-            prompt = [(17 + 31 * i) % vocab for i in range(n)]
-            max_len = n + args.tokens + 16
-            engines = {v: engine(model, v, max_len, args.kv_cache_dtype)
-                       for v in ("before", "after")}
-            for eng in engines.values():                  # warm-up, and prompt cached
-                decode_rate(eng, prompt, 4)
-            rates: dict = {v: [] for v in engines}
-            for _ in range(args.rounds):
-                for v, eng in engines.items():
-                    rates[v].append(decode_rate(eng, prompt, args.tokens))
-            wall = {v: statistics.median(r[0] for r in rs) for v, rs in rates.items()}
-            cpu = {v: statistics.median(r[1] for r in rs) for v, rs in rates.items()}
-            kv = str(engines["after"].runner.kv_dtype).removeprefix("torch.")
-            rows.append({"quantize": scheme, "prompt": n, "path": "engine",
-                         "before_tok_s": round(wall["before"], 2),
-                         "after_tok_s": round(wall["after"], 2),
-                         "before_cpu_tok_s": round(cpu["before"], 2),
-                         "after_cpu_tok_s": round(cpu["after"], 2),
-                         "speedup_cpu": round(cpu["after"] / cpu["before"], 3),
-                         "after_kv_dtype": kv})
-            print(rows[-1], flush=True)
-            if args.profile and n == prompts[0]:
-                profiles[scheme] = profile(engines["after"], prompt, args.tokens)
-                print_table(f"after, --quantize {scheme}, prompt {n}: self CPU by op",
-                            profiles[scheme])
-            del engines
-            if args.generate:
-                from hyla.serve.session import RunnerState
-
-                fresh = {"before": model.new_state, "after": lambda m=model: RunnerState(m)}
-                got: dict = {v: [] for v in fresh}
-                for _ in range(args.rounds):
-                    for v, make in fresh.items():
-                        got[v].append(generate_rate(model, make(), prompt, args.tokens))
-                wall = {v: statistics.median(r[0] for r in rs) for v, rs in got.items()}
-                cpu = {v: statistics.median(r[1] for r in rs) for v, rs in got.items()}
-                rows.append({"quantize": scheme, "prompt": n, "path": "generate",
-                             "before_tok_s": round(wall["before"], 2),
-                             "after_tok_s": round(wall["after"], 2),
-                             "before_cpu_tok_s": round(cpu["before"], 2),
-                             "after_cpu_tok_s": round(cpu["after"], 2),
-                             "speedup_cpu": round(cpu["after"] / cpu["before"], 3),
-                             "after_kv_dtype": "model's"})
-                print(rows[-1], flush=True)
-        del model
-    print_table(f"{name}: single-request decode tok/s, {args.threads} thread(s), "
-                f"before (fp32 KV, gathered) vs after (in place, {args.kv_cache_dtype} KV)",
-                rows)
-    path = write_results("engine_decode_quick" if args.quick else "engine_decode", rows,
-                         params={"model": name, "threads": args.threads,
-                                 "kv_cache_dtype": args.kv_cache_dtype,
-                                 "load_avg": os.getloadavg(),
-                                 "tokens": args.tokens, "rounds": args.rounds},
-                         profiles=profiles)
-    print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-    main()
+    if a.base:
+        with tempfile.TemporaryDirectory() as tmp:
+            trees = {"before": revision_tree(a.base, tmp), "after": ROOT}
+            got = run.rounds({k: lambda t=t: on_tree(t, a) for k, t in trees.items()})
+        rows = [row(key, {k: [x[key] for x in v] for k, v in got.items()})
+                for key in got["before"][0]]
+    for scheme, model in [] if a.base else quantized(load_model("smollm2")[0], a.schemes):
+        for n in map(int, a.prompts.split(",")):
+            run.progress(f"{scheme}, {n}-token prompt")
+            prompt, engines = [(17 + 31 * i) % model.cfg.vocab_size for i in range(n)], {}
+            for v in ("before", "after"):
+                engines[v] = engine(model, max_num_seqs=1, max_model_len=n + a.tokens + 16,
+                                    kv_cache_dtype=a.kv_cache_dtype if v == "after" else None)
+                engines[v].runner.kv_in_place = v == "after"
+                decode_rate(engines[v], prompt, 4)          # warm-up, and the prompt cached
+            rows.append(row(f"{scheme}/{n}/engine", run.rounds({
+                v: lambda e=e, p=prompt: decode_rate(e, p, a.tokens)
+                for v, e in engines.items()}), kv=str(engines["after"].runner.kv_dtype)[6:]))
+            if a.profile and not profiles.get(scheme):
+                profiles[scheme] = profile(engines["after"], prompt, a.tokens)
+                run.table(f"after, {scheme}, prompt {n}: self CPU by op", profiles[scheme])
+    run.table(f"single-request decode tok/s, before ({a.base or 'KV gathered'}) vs after", rows)
+    name = "decode_vs_revision" if a.base else "engine_decode"
+    run.save(rows, name=name + "_quick" * a.quick, profiles=profiles, base=a.base,
+             tokens=a.tokens, kv_cache_dtype=a.kv_cache_dtype, summary=f"decode after / before "
+             f"({a.base or 'KV gathered'}), CPU time: " + ", ".join(
+                 f"{r['quantize']} {r['path']} at {r['prompt']} {r['speedup_cpu']:.2f}x"
+                 for r in rows))

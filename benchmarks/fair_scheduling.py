@@ -1,88 +1,57 @@
-"""Claim: a small request beside a huge batch request is served within a small multiple of
-its own time (issue 32, item 7): the prompts of a batch are scheduled as one request.
+"""A small request beside a huge batch request is served within a small multiple of its time.
 
-One engine (``debug`` preset, eager, CPU), 16 state slots, a 1,024-token step budget. A
-batch request of 256 prompts (``--prompt-len`` tokens each, 4 new tokens) starts; once it
-holds every slot, a 5-token request asking for 5 tokens arrives. Its latency (arrival to
-last token) is compared with its latency alone, for the prompts scheduled as one request
-(``group``: what ``/v1/completions`` does with a batch) and as 256 independent requests
-(first come, first served over prompts: the scheduling before issue 32).
-
-    python benchmarks/fair_scheduling.py [--prompt-len 300] [--threads 2]
+Engine (``debug`` preset, eager, 2 threads), 16 slots, 1,024-token steps: a 5-token request
+for 5 tokens alone, and once a batch of 256 prompts of 300 tokens (4 new each) holds every
+slot, the batch as one request (issue 32) or as 256 (first come, first served).
+``--quick``: 32 prompts of 100 tokens.
 """
 
-from __future__ import annotations
-
-import argparse
-import pathlib
-import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from hyla.model import HylaLM, preset  # noqa: E402
-from hyla.perf import print_table, write_results  # noqa: E402
-from hyla.serve.engine import Engine, EngineConfig  # noqa: E402
-from hyla.serve.sequence import SamplingParams  # noqa: E402
-
-SMALL = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+from benchmarks.serve_common import engine, greedy
+from hyla.model import HylaLM, preset
 
 
-def small_latency(eng: Engine) -> float:
-    start = time.perf_counter()
-    seq = eng.add_request([7] * 5, SMALL, "small")
+def small_latency(eng) -> float:
+    start, seq = time.perf_counter(), eng.add_request([7] * 5, greedy(5), "small")
     while not seq.is_finished:
         eng.step()
     return time.perf_counter() - start
 
 
-def run(model, n: int, prompt_len: int, grouped: bool | None) -> dict:
-    eng = Engine(model, None, EngineConfig(max_num_seqs=16, max_num_batched_tokens=1024,
-                                           max_model_len=prompt_len + 16))
+def beside_batch(model, n: int, prompt_len: int, grouped: bool | None) -> dict:
+    eng = engine(model, max_num_seqs=16, max_num_batched_tokens=1024,
+                 max_model_len=prompt_len + 16)
     small_latency(eng)                                   # warm up
     if grouped is None:
         return {"batch": "none", "small_s": small_latency(eng)}
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     for i in range(n):
-        eng.add_request([(i * 7 + j) % 250 + 1 for j in range(prompt_len)], params, f"b-{i}",
-                        group="batch" if grouped else None)
+        eng.add_request([(i * 7 + j) % 250 + 1 for j in range(prompt_len)], greedy(4),
+                        f"b-{i}", group="batch" if grouped else None)
     while eng.scheduler.pool.num_free:
         eng.step()
     took = small_latency(eng)
-    done = sum(1 for i in range(n) if eng._seqs.get(f"b-{i}") is None)
-    start = time.perf_counter()
+    done, start = sum(eng._seqs.get(f"b-{i}") is None for i in range(n)), time.perf_counter()
     while eng.has_unfinished():
         eng.step()
-    return {"batch": "one request" if grouped else f"{n} requests (FCFS)",
-            "small_s": took, "batch_prompts_done_before": done,
-            "batch_rest_s": time.perf_counter() - start}
+    return {"batch": "one request" if grouped else f"{n} requests (FCFS)", "small_s": took,
+            "batch_prompts_done_before": done, "batch_rest_s": time.perf_counter() - start}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=256, help="batch size (default: 256)")
-    ap.add_argument("--prompt-len", type=int, default=300,
-                    help="tokens per batch prompt (default: 300)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+def main(run) -> None:
+    torch.set_num_threads(run.args.threads or 2)
+    n, plen = (32, 100) if run.args.quick else (256, 300)
     torch.manual_seed(0)
-    model = HylaLM(preset("debug")).eval()
-    alone = run(model, args.prompts, args.prompt_len, None)["small_s"]
-    rows = [{"batch": "none", "small_s": round(alone, 4), "x_alone": 1.0}]
-    for grouped in (True, False):
-        r = run(model, args.prompts, args.prompt_len, grouped)
-        rows.append(r | {"small_s": round(r["small_s"], 4),
-                         "x_alone": round(r["small_s"] / alone, 1),
-                         "batch_rest_s": round(r["batch_rest_s"], 2)})
-    print_table(f"a 5-token request beside {args.prompts} prompts of {args.prompt_len} tokens "
-                f"(debug preset, 16 slots, 1,024-token steps)", rows)
-    write_results("fair_scheduling", rows, prompts=args.prompts, prompt_len=args.prompt_len,
-                  threads=args.threads)
-
-
-if __name__ == "__main__":
-    main()
+    model, rows = HylaLM(preset("debug")).eval(), []
+    for grouped in (None, True, False):
+        run.progress(f"batch as one request: {grouped}")
+        r = beside_batch(model, n, plen, grouped)
+        rows.append({k: round(v, 4 if k == "small_s" else 2) if isinstance(v, float) else v
+                     for k, v in r.items()} | {"x_alone": round(r["small_s"] / (
+                         rows[0]["small_s"] if rows else r["small_s"]), 1)})
+    run.table(f"a 5-token request beside {n} prompts of {plen} tokens", rows)
+    run.save(rows, prompts=n, prompt_len=plen, summary=f"a small request {rows[0]['small_s']:.2f}"
+             f" s alone, {rows[1]['x_alone']}x that beside a batch as one request, "
+             f"{rows[2]['x_alone']}x beside {n} requests served first come first served")

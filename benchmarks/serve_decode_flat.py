@@ -1,121 +1,78 @@
-"""Claim: a GLA-only model decodes at the same tokens/s whatever the prompt length; the
-hybrid's and the all-attention model's decode slows as their KV caches grow.
+"""GLA-only decode keeps its tokens/s at any prompt length; with attention it slows as KV grows.
 
-The engine's Runner decodes a batch of B sequences whose state holds L tokens, for L in
-1K, 2K, 8K, 32K, for three layer mixes of the ``small`` preset's width and depth:
-``GGGGGGGG`` (GLA only), ``GGGAGGGA`` (the preset's hybrid) and ``AAAAAAAA``. Decode cost
-does not depend on what the state holds, only on its size, so states and KV blocks are
-filled with random values instead of prefilling 32K-token prompts (which would take this
-CPU minutes per attention model). Each point: median step time of several steps, all
-models measured side by side in one run. Also reports the cost per output token at 8K
-relative to 2K (the reference deployment saw +0.5% for its GLA model). Per model, one
-runner holds the longest context and the contexts take turns step by step (medians of
-``--steps``), so drift on a shared machine does not masquerade as a context effect.
-
-    python benchmarks/serve_decode_flat.py [--quick]
+The Runner (eager, fp32) decodes 4 sequences holding 1K, 2K, 8K, 32K tokens of random state and
+KV, ``small``-width GGGGGGGG, GGGAGGGA, AAAAAAAA, the contexts taking turns step by step
+(medians of ``--steps``); a plot beside the results. ``--quick``: 1K and 8K, 3 steps.
 """
 
-from __future__ import annotations
-
-import argparse
 import statistics
-import sys
 import time
 
+import matplotlib
 import torch
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-from serve_common import hyla_model  # noqa: E402
-
-from hyla.perf import print_table, tune_cpu_allocator, write_results  # noqa: E402
-from hyla.serve.runner import Runner  # noqa: E402
+from benchmarks.serve_common import hyla_model
+from hyla.serve.runner import Runner
 
 LAYERS = {"GLA only": "GGGGGGGG", "hybrid 3:1": "GGGAGGGA", "all attention": "AAAAAAAA"}
+BATCH, BLOCK = 4, 64
 
 
-def step_times(model, batch: int, contexts, steps: int, block_size: int = 64) -> dict:
-    """Median decode step seconds per context, contexts interleaved step by step on one
-    runner (so allocation and drift hit every context alike)."""
-    per_seq = -(-(max(contexts) + 2) // block_size)
+def add_args(parser) -> None:
+    parser.add_argument("--steps", type=int, default=15, help="timed steps a context (median)")
+
+
+def step_times(model, contexts, steps: int) -> dict:
+    # decode cost depends on the state's size, not what it holds: random values stand in for
+    # 32K-token prefills; one runner, contexts interleaved, so drift hits every context alike
+    per_seq = -(-(max(contexts) + 2) // BLOCK)
     attn = any(spec.per_token for spec in model.state_specs)     # a KV cache to page
-    r = Runner(model, max_num_seqs=batch, num_kv_blocks=batch * per_seq if attn else 0,
-               block_size=block_size)
-    for layer in r.buffers:
-        for buf in layer.values():
-            buf.normal_()
-    full = [list(range(b * per_seq, (b + 1) * per_seq)) if attn else [] for b in range(batch)]
+    r = Runner(model, max_num_seqs=BATCH, num_kv_blocks=BATCH * per_seq if attn else 0,
+               block_size=BLOCK)
+    for buf in (b for layer in r.buffers for b in layer.values()):
+        buf.normal_()
+    full = [list(range(b * per_seq, (b + 1) * per_seq)) if attn else [] for b in range(BATCH)]
     times: dict[int, list[float]] = {c: [] for c in contexts}
     for i in range(steps + 1):
         for ctx in contexts:
-            n = -(-(ctx + 1) // block_size) if attn else 0
-            t0 = time.perf_counter()
-            r.decode(list(range(batch)), [1] * batch, [ctx] * batch,
-                     [t[:n] for t in full], batch)
+            n, t0 = -(-(ctx + 1) // BLOCK) if attn else 0, time.perf_counter()
+            r.decode(list(range(BATCH)), [1] * BATCH, [ctx] * BATCH, [t[:n] for t in full], BATCH)
             if i:                                   # the first round warms up
                 times[ctx].append(time.perf_counter() - t0)
     return {c: statistics.median(ts) for c, ts in times.items()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads (1: on this 2-vCPU VM a second intra-op thread "
-                         "makes the small ops of a decode step 2-5x slower)")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=15)
-    args = ap.parse_args()
-    tune_cpu_allocator()
-    torch.set_num_threads(args.threads)
-    contexts = (1024, 8192) if args.quick else (1024, 2048, 8192, 32768)
-    steps = 3 if args.quick else args.steps
-    models = {name: hyla_model("small", layers) for name, layers in LAYERS.items()}
-    times = {}
-    for name, model in models.items():
-        for ctx, t in step_times(model, args.batch, contexts, steps).items():
-            times[(name, ctx)] = t
-        print(f"{name} done", flush=True)
-    rows = []
-    for ctx in contexts:
-        for name in models:
-            t = times[(name, ctx)]
-            rows.append({"model": name, "context": ctx, "step_ms": t * 1e3,
-                         "tok_s": args.batch / t})
-    by = {(r["model"], r["context"]): r["tok_s"] for r in rows}
-    summary = []
-    for name in models:
-        first, last = by[(name, contexts[0])], by[(name, contexts[-1])]
-        row = {"model": name, f"tok_s_{contexts[0]}": first, f"tok_s_{contexts[-1]}": last,
-               "spread_pct": 100 * (max(by[(name, c)] for c in contexts)
-                                    / min(by[(name, c)] for c in contexts) - 1)}
-        if (name, 2048) in by and (name, 8192) in by:
-            row["cost_8k_vs_2k_pct"] = 100 * (by[(name, 2048)] / by[(name, 8192)] - 1)
-        summary.append(row)
-    print_table(f"decode tokens/s, batch {args.batch}, by context (small-preset width)", rows)
-    print_table("flatness: spread across contexts, cost per token 8K vs 2K", summary)
-    path = write_results("serve_decode_flat_quick" if args.quick else "serve_decode_flat",
-                         rows, summary=summary, batch=args.batch, steps=steps,
-                         note="states/KV filled with random values; Runner.decode, eager, fp32")
-    print(f"wrote {path}")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+def main(run) -> None:
+    torch.set_num_threads(run.args.threads or 1)
+    contexts = (1024, 8192) if run.args.quick else (1024, 2048, 8192, 32768)
+    tok_s = {}
+    for name, layers in LAYERS.items():
+        run.progress(name)
+        for ctx, t in step_times(hyla_model("small", layers), contexts,
+                                 3 if run.args.quick else run.args.steps).items():
+            tok_s[name, ctx] = BATCH / t
+    rows = [{"model": m, "context": c, "step_ms": 1e3 * BATCH / tok_s[m, c], "tok_s": tok_s[m, c]}
+            for c in contexts for m in LAYERS]
+    flat = [{"model": m, **{f"tok_s_{c}": v for c, v in zip(contexts, got, strict=True)},
+             "spread_pct": 100 * (max(got) / min(got) - 1)} | (
+                {"cost_8k_vs_2k_pct": 100 * (tok_s[m, 2048] / tok_s[m, 8192] - 1)}
+                if 2048 in contexts else {}) for m in LAYERS
+            for got in [[tok_s[m, c] for c in contexts]]]
+    run.table(f"decode tokens/s, batch {BATCH}, by context (small-preset width)", rows)
+    run.table("flatness: spread across contexts, cost per token 8K vs 2K", flat)
+    path = run.save(rows, flatness=flat, batch=BATCH, note="random states/KV, eager, fp32",
+                    summary=f"tok/s from {contexts[0]} to {contexts[-1]} tokens: " + "; ".join(
+                        f"{m} " + ", ".join(f"{tok_s[m, c]:.3g}" for c in contexts)
+                        for m in LAYERS) + f" (GLA only within {flat[0]['spread_pct']:.1f}%)")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for name in models:
-            ax.plot(contexts, [by[(name, c)] for c in contexts], marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tokens in the state (prompt length)")
-        ax.set_ylabel(f"decode tokens/s (batch {args.batch})")
-        ax.set_ylim(bottom=0)
-        ax.legend()
-        ax.set_title("Decode speed vs context, small-preset width, this CPU")
-        fig.tight_layout()
-        fig.savefig(path.with_suffix(".png"), dpi=120)
-    except ImportError:
-        pass
-
-
-if __name__ == "__main__":
-    main()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in LAYERS:
+        ax.plot(contexts, [tok_s[m, c] for c in contexts], marker="o", label=m)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="tokens in the state (prompt length)", ylim=(0, None), ylabel=f"decode "
+           f"tokens/s (batch {BATCH})", title="Decode speed vs context, small width, this CPU")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=120)

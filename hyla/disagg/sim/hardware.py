@@ -251,7 +251,7 @@ def _measured_step(m: dict, n_pre: int, n_dec: int, ctx_sum: int = 0) -> float:
 def load_measured_profile(path: str | pathlib.Path) -> InstanceProfile:
     """An instance profile measured on hyla's own engine, from JSON.
 
-    Format (written by the serving benchmark)::
+    Format (what ``hyla profile`` writes, :func:`hyla.disagg.sim.profile.measure_engine_profile`)::
 
         {"name": "cpu-2core", "preset": "small",
          "prefill_tok_s": 5200.0,                      # prompt tokens per second
