@@ -76,6 +76,10 @@ FAMILIES = {   # name: (modeling module, model class, config class, config kwarg
                                "partial_rotary_factor": 0.334},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4,
                                   "partial_rotary_factor": 0.5}})),
+    "lfm2": ("lfm2", "Lfm2ForCausalLM", "Lfm2Config", dict(
+        num_key_value_heads=2, norm_eps=1e-5, conv_L_cache=3, block_multiple_of=32,
+        layer_types=["conv", "full_attention", "conv", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
     "olmo_hybrid": ("olmo_hybrid", "OlmoHybridForCausalLM", "OlmoHybridConfig", dict(
         num_key_value_heads=2, attention_bias=True, layer_types=LIN, linear_num_key_heads=2,
         linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=24,
@@ -209,7 +213,7 @@ def test_generate_ppl_export_memory(capsys, tmp_path, family_dirs, hf_tok, famil
         p.numel() for p in ref.parameters())
 
 
-@pytest.mark.parametrize("family", ["kimi_linear", "mimo_v2_flash"])
+@pytest.mark.parametrize("family", ["kimi_linear", "mimo_v2_flash", "lfm2"])
 def test_needle_and_simulate(capsys, tmp_path, family_dirs, family):
     """The other commands that take a model: passkey retrieval (MLA / window caches over
     a 256-token context) and the PrfaaS simulation sized from the directory's config."""
