@@ -76,6 +76,13 @@ FAMILIES = {   # name: (modeling module, model class, config class, config kwarg
                                "partial_rotary_factor": 0.334},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4,
                                   "partial_rotary_factor": 0.5}})),
+    "granitemoehybrid": ("granitemoehybrid", "GraniteMoeHybridForCausalLM",
+                         "GraniteMoeHybridConfig", dict(
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        shared_intermediate_size=48, layer_types=["mamba", "attention", "mamba", "mamba"],
+        mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2, embedding_multiplier=6.0,
+        residual_multiplier=0.4, attention_multiplier=0.2, logits_scaling=3.0,
+        position_embedding_type="nope")),
     "lfm2": ("lfm2", "Lfm2ForCausalLM", "Lfm2Config", dict(
         num_key_value_heads=2, norm_eps=1e-5, conv_L_cache=3, block_multiple_of=32,
         layer_types=["conv", "full_attention", "conv", "full_attention"],
@@ -213,7 +220,8 @@ def test_generate_ppl_export_memory(capsys, tmp_path, family_dirs, hf_tok, famil
         p.numel() for p in ref.parameters())
 
 
-@pytest.mark.parametrize("family", ["kimi_linear", "mimo_v2_flash", "lfm2"])
+@pytest.mark.parametrize("family", ["kimi_linear", "mimo_v2_flash", "lfm2",
+                                    "granitemoehybrid"])
 def test_needle_and_simulate(capsys, tmp_path, family_dirs, family):
     """The other commands that take a model: passkey retrieval (MLA / window caches over
     a 256-token context) and the PrfaaS simulation sized from the directory's config."""

@@ -72,6 +72,12 @@ class HylaConfig:
     norm_zero_centred: bool = False
     # "pre": x + f(norm(x)); "post": x + norm(f(x)) (OLMo's attention blocks).
     norm_placement: str = "pre"
+    # Constant factors some families train with (Granite's muP-style multipliers): the
+    # embedding's output, every mixer's and FFN's output before its residual add, and the
+    # logits (1 / Granite's logits_scaling). 1.0: none.
+    embedding_scale: float = 1.0
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
     # The transformers model_type a model was loaded from, which export writes back; None
     # for hyla's own models. hf_extras: fields of its config.json that do not change what
     # the model computes but that other engines read (max_position_embeddings, the special
@@ -235,7 +241,7 @@ class HylaConfig:
 # Fields that shape the whole model and so cannot differ by layer.
 _GLOBAL_FIELDS = {"vocab_size", "d_model", "layers", "ffn_layers", "layer_overrides",
                   "tie_embeddings", "family", "hf_extras", "initializer_range",
-                  "norm_zero_centred"}
+                  "norm_zero_centred", "embedding_scale", "logit_scale"}
 
 
 def debug() -> HylaConfig:

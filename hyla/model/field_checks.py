@@ -20,7 +20,8 @@ MAX_LAYERS = 1024
 # Numbers that must be > 0 (the others only finite, or >= 0 as listed).
 POSITIVE = {"vocab_size", "d_model", "n_heads", "ffn_dim", "gate_low_rank_dim", "n_kv_heads",
             "attention_head_dim", "sliding_window", "chunk_size", "expand_k", "expand_v",
-            "gate_logit_normalizer", "norm_eps", "rope_theta"}
+            "gate_logit_normalizer", "norm_eps", "rope_theta", "embedding_scale",
+            "residual_scale", "logit_scale"}
 NON_NEGATIVE = {"initializer_range", "linear_window", "window_sinks"}
 
 

@@ -29,13 +29,19 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, eps=layer.norm_eps,
                                 zero_centred=cfg.norm_zero_centred)
         self.mlp = FFNS[cfg.ffn_letter(layer_idx)](layer, layer_idx)
+        self.scale = layer.residual_scale
 
     def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        s = self.scale
         if self.pre_norm:
-            x = x + self.mixer(self.mixer_norm(x), ctx)
-            return x + self.mlp(self.mlp_norm(x))
-        x = x + self.mixer_norm(self.mixer(x, ctx))
-        return x + self.mlp_norm(self.mlp(x))
+            x = x + self._scaled(self.mixer(self.mixer_norm(x), ctx), s)
+            return x + self._scaled(self.mlp(self.mlp_norm(x)), s)
+        x = x + self._scaled(self.mixer_norm(self.mixer(x, ctx)), s)
+        return x + self._scaled(self.mlp_norm(self.mlp(x)), s)
+
+    @staticmethod
+    def _scaled(y: torch.Tensor, s: float) -> torch.Tensor:
+        return y if s == 1.0 else y * s
 
 
 class HylaLM(nn.Module):
@@ -110,13 +116,14 @@ class HylaLM(nn.Module):
         Without ``ctx`` the batch is training data; with ``cu_seqlens`` (int [N + 1],
         B == 1) the row is N packed documents: linear states reset, attention is masked and
         rotary positions restart at each boundary. ``hidden``: return the final normed
-        hidden states [B, T, d_model] instead of logits (what ``lm_head`` maps to logits).
+        hidden states [B, T, d_model] instead of logits (what ``lm_head`` maps to logits,
+        ``cfg.logit_scale`` already in them).
         """
         if ctx is None:
             ctx = Context.train(input_ids, cu_seqlens)
         elif cu_seqlens is not None:
             raise ValueError("pass cu_seqlens inside the Context, not beside it")
-        x = self.embed(input_ids)
+        x = self.embed_tokens(input_ids)
         for block in self.blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, ctx, use_reentrant=False)
@@ -125,7 +132,14 @@ class HylaLM(nn.Module):
         if ctx.logits_at is not None:
             x = x[:, ctx.logits_at]
         x = self.norm(x)
+        if self.cfg.logit_scale != 1.0:     # in the hidden states, so lm_head(hidden) has it
+            x = x * self.cfg.logit_scale
         return x if hidden else self.lm_head(x)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The blocks' input: the embedding rows, times ``cfg.embedding_scale``."""
+        x = self.embed(input_ids)
+        return x if self.cfg.embedding_scale == 1.0 else x * self.cfg.embedding_scale
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, state: SequenceState) -> torch.Tensor:

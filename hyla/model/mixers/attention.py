@@ -47,7 +47,10 @@ class AttentionOptions:
     - ``value_scale``: values are multiplied by it before attention, and cached so
       (MiMo-V2-Flash's ``attention_value_scale``);
     - ``sinks``: a learned logit per query head (parameter ``sinks`` [n_heads]) that joins
-      every softmax row without a value (MiMo-V2-Flash's window layers, gpt-oss).
+      every softmax row without a value (MiMo-V2-Flash's window layers, gpt-oss);
+    - ``softmax_scale``: the scores' scale (None: ``head_dim ** -0.5``; Granite's
+      ``attention_multiplier``), applied to the queries so every attention path keeps its
+      default scale.
 
     Example:
         >>> from hyla.model.config import HylaConfig
@@ -64,6 +67,7 @@ class AttentionOptions:
     value_head_dim: int | None = None
     value_scale: float = 1.0
     sinks: bool = False
+    softmax_scale: float | None = None
 
     def __post_init__(self):
         if not 0 < self.partial_rotary_factor <= 1:
@@ -71,6 +75,9 @@ class AttentionOptions:
                              f"got {self.partial_rotary_factor}")
         if self.qk_norm_scope not in ("head", "all"):
             raise ValueError(f"qk_norm_scope must be 'head' or 'all', got {self.qk_norm_scope!r}")
+        if self.softmax_scale is not None and not 0 < self.softmax_scale < float("inf"):
+            raise ValueError(f"softmax_scale must be a positive number or None, "
+                             f"got {self.softmax_scale}")
         if self.value_head_dim is not None and self.value_head_dim <= 0:
             raise ValueError(f"value_head_dim must be a positive int or None, "
                              f"got {self.value_head_dim}")
@@ -194,6 +201,8 @@ class AttentionMixer(Mixer):
             v = v * o.value_scale
         if c.qk_norm and o.qk_norm_scope == "head":
             q, k = self.q_norm(q), self.k_norm(k)
+        if o.softmax_scale is not None:     # rotation is linear: scaling before it is the same
+            q = q * (o.softmax_scale * c.head_dim ** 0.5)
         if T == 1:      # decode: one rotation of q and k together (one cos/sin), fewer ops
             qk = self._rotate(torch.cat([q, k], dim=2), positions, lengths, memo)
             q, k = qk.split([c.n_heads, c.n_kv_heads], dim=2)

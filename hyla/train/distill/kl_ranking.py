@@ -133,7 +133,7 @@ def restored_kl(teacher: HylaLM, blocks, *, window: int, sinks: int, linear: str
                            cached)
 
         entering = []                   # the residual stream entering each student block
-        x = student.embed(ids)
+        x = student.embed_tokens(ids)
         for b in student.blocks:
             entering.append(x)
             x = b(x, ctx)
