@@ -306,7 +306,8 @@ def load_model(args: argparse.Namespace, out: Console):
             out.print(f"No checkpoint in {path}: training the quickstart model first.")
             train_quickstart(out)
     model, tok = load_source(path, device=device)
-    return model, require_tokenizer(tok, path, f"hyla {args.command}"), model_name(path)
+    needs = f"hyla {getattr(args, 'command', None) or 'serve'}"
+    return model, require_tokenizer(tok, path, needs), model_name(path)
 
 
 def memory_table(report: dict) -> Table:

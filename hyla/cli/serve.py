@@ -151,7 +151,7 @@ def cmd_generate(args: argparse.Namespace, out: Console) -> int:
         from hyla.model.load import require_tokenizer
 
         model, tok = load_source(args.checkpoint)
-        require_tokenizer(tok, args.checkpoint, f"hyla {args.command}")
+        require_tokenizer(tok, args.checkpoint, f"hyla {getattr(args, 'command', None) or 'serve'}")
     else:
         model, tok = random_model(args.preset, args.seed)
     apply_quantize(model, args)
