@@ -10,6 +10,6 @@ from hyla.model.formats.families import (
     olmo_hybrid,  # noqa: F401  (registers the family)
     qwen3_next,  # noqa: F401  (registers the family)
 )
-from hyla.model.formats.families.base import FAMILIES, Family, register_family
+from hyla.model.formats.families.base import FAMILIES, GGUF_FAMILIES, Family, register_family
 
-__all__ = ["FAMILIES", "Family", "register_family"]
+__all__ = ["FAMILIES", "GGUF_FAMILIES", "Family", "register_family"]

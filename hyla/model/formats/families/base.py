@@ -22,6 +22,25 @@ from hyla.model.config import HylaConfig
 
 
 @dataclass(frozen=True)
+class GgufMapping:
+    """How llama.cpp writes a family (``convert_hf_to_gguf.py``): its GGUF architecture
+    names, and the way back to the transformers config and tensors, after which the
+    family's own readers apply.
+
+    - ``config(meta, shapes, source) -> dict``: the transformers ``config.json`` (with its
+      ``model_type``) the file's ``<arch>.*`` metadata and its tensors' shapes (by name)
+      describe;
+    - ``tensors(tensors, hf, source) -> dict``: the file's tensors (dequantised, by their
+      GGUF names) by transformers' names, llama.cpp's reshapes undone (``A = -exp(A_log)``
+      back to ``A_log``, squeezed convolutions unsqueezed, ...).
+    """
+
+    archs: tuple[str, ...]
+    config: Callable[[dict, dict[str, tuple[int, ...]], str], dict]
+    tensors: Callable[[dict[str, torch.Tensor], dict, str], dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
 class Family:
     """How one transformers family maps onto hyla.
 
@@ -40,9 +59,11 @@ class Family:
     to_state: Callable[[dict, HylaConfig, str], dict[str, torch.Tensor]]
     from_config: Callable[[HylaConfig], dict]
     from_state: Callable[[dict, HylaConfig], dict[str, torch.Tensor]]
+    gguf: GgufMapping | None = None
 
 
 FAMILIES: dict[str, Family] = {}
+GGUF_FAMILIES: dict[str, Family] = {}      # by GGUF architecture (general.architecture)
 
 
 def register_family(family: Family) -> Family:
@@ -54,6 +75,8 @@ def register_family(family: Family) -> Family:
                                  to_state=_guarded(family.to_state, "tensors"))
     for model_type in family.model_types:
         FAMILIES[model_type] = family
+    for arch in family.gguf.archs if family.gguf else ():
+        GGUF_FAMILIES[arch] = family
     return family
 
 
@@ -71,6 +94,35 @@ def _guarded(read: Callable, what: str) -> Callable:
 
     call.guarded = True
     return call
+
+
+def gguf_value(meta: dict, arch: str, key: str, source: str, default=None):
+    """``meta["<arch>.<key>"]`` of a GGUF file, or ``default``; a ValueError naming the file
+    and the key when it is missing and there is no default."""
+    value = meta.get(f"{arch}.{key}", default)
+    if value is None:
+        raise ValueError(f"{source}: GGUF metadata has no {arch}.{key}")
+    return value
+
+
+def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's convert-time interleaving of each head's rotary halves (rows of q or
+    k, weight or bias; llama-style architectures): row ``2i + j`` of a head goes back to
+    ``j * half + i``.
+
+    Example:
+        >>> unpermute_rows(torch.tensor([0, 2, 1, 3]), 1).tolist()
+        [0, 1, 2, 3]
+    """
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_shape(shapes: dict, name: str, source: str) -> tuple[int, ...]:
+    """The shape of GGUF tensor ``name``, or a ValueError naming the file and the tensor."""
+    if name not in shapes:
+        raise ValueError(f"{source}: the file has no tensor {name!r}")
+    return shapes[name]
 
 
 def require(hf: dict, key: str, source: str, kind: str):

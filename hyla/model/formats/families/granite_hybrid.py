@@ -33,13 +33,17 @@ import torch
 from hyla.model.config import HylaConfig
 from hyla.model.formats.families.base import (
     Family,
+    GgufMapping,
     check_all_taken,
+    gguf_shape,
+    gguf_value,
     head_from_hyla,
     head_to_hyla,
     refuse,
     register_family,
     require,
     take,
+    unpermute_rows,
 )
 from hyla.model.layers import rope_from_hf_config
 from hyla.model.mixers import MIXERS
@@ -255,5 +259,120 @@ def from_config(cfg: HylaConfig) -> dict:
             "torch_dtype": "float32", "dtype": "float32"}
 
 
+# GGUF block tensor -> transformers decoder-layer suffix (llama.cpp's granitehybrid names)
+_GGUF_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+               "ssm_in": "mamba.in_proj", "ssm_out": "mamba.out_proj",
+               "ssm_conv1d": "mamba.conv1d", "ssm_norm": "mamba.norm", "ssm_d": "mamba.D",
+               "ssm_a": "mamba.A_log", "ssm_dt": "mamba.dt_bias",
+               "ffn_gate_inp": "block_sparse_moe.router.layer",
+               "ffn_down_exps": "block_sparse_moe.output_linear",
+               "ffn_down_shexp": "shared_mlp.output_linear",
+               "ffn_down": "shared_mlp.output_linear"}
+
+
+def gguf_config(meta: dict, shapes: dict, source: str) -> dict:
+    """Granite 4.0-H's config.json from llama.cpp's ``granitehybrid.*`` metadata: layers
+    with KV heads are attention, the rest Mamba-2; rotary only where llama.cpp marks it
+    (``rope.scaling.finetuned``); what the file does not record (the time-step limit) takes
+    transformers' default."""
+    arch = meta["general.architecture"]
+
+    def get(key, default=None):
+        return gguf_value(meta, arch, key, source, default)
+    n = int(get("block_count"))
+    kv = get("attention.head_count_kv")
+    kv = list(kv) if isinstance(kv, list) else [kv] * n
+    if len(kv) != n:
+        raise ValueError(f"{source}: {arch}.attention.head_count_kv {kv} must give {n} layers")
+    heads, inner = int(get("ssm.time_step_rank")), int(get("ssm.inner_size"))
+    if heads < 1 or inner % heads:
+        raise ValueError(f"{source}: {arch}.ssm.inner_size={inner} must be a multiple of "
+                         f"{arch}.ssm.time_step_rank (the SSM heads)={heads}")
+    d = int(get("embedding_length"))
+    experts = int(get("expert_count", 0))
+    first_ssm = next((i for i, h in enumerate(kv) if not h), None)
+    first_att = next((i for i, h in enumerate(kv) if h), None)
+    return {"model_type": KIND, "vocab_size": gguf_shape(shapes, "token_embd.weight",
+                                                       source)[0],
+            "hidden_size": d, "num_hidden_layers": n,
+            "num_attention_heads": int(get("attention.head_count")),
+            "num_key_value_heads": max(kv) or int(get("attention.head_count")),
+            "layer_types": ["attention" if h else "mamba" for h in kv],
+            "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
+            "rope_theta": get("rope.freq_base", 10000.0),
+            "position_embedding_type": "rope" if get("rope.scaling.finetuned", False)
+            else "nope",
+            "attention_multiplier": get("attention.scale", 1.0),
+            "embedding_multiplier": get("embedding_scale", 1.0),
+            "residual_multiplier": get("residual_scale", 1.0),
+            "logits_scaling": get("logit_scale", 1.0),
+            "num_local_experts": experts, "num_experts_per_tok": get("expert_used_count", 2),
+            "intermediate_size": get("feed_forward_length"),
+            "shared_intermediate_size": get("expert_shared_feed_forward_length",
+                                            get("feed_forward_length")),
+            "mamba_n_heads": heads, "mamba_d_head": inner // heads,
+            "mamba_expand": inner // d if inner % d == 0 else inner / d,
+            "mamba_d_state": get("ssm.state_size"), "mamba_n_groups": get("ssm.group_count"),
+            "mamba_d_conv": get("ssm.conv_kernel"),
+            "mamba_conv_bias": first_ssm is not None
+            and f"blk.{first_ssm}.ssm_conv1d.bias" in shapes,
+            "mamba_proj_bias": first_ssm is not None
+            and f"blk.{first_ssm}.ssm_in.bias" in shapes,
+            "attention_bias": first_att is not None and f"blk.{first_att}.attn_q.bias" in shapes,
+            "tie_word_embeddings": "output.weight" not in shapes}
+
+
+def gguf_tensors(tensors: dict, hf: dict, source: str) -> dict:
+    """llama.cpp's granitehybrid tensors by transformers' names: its q/k row permutation
+    undone, ``A = -exp(A_log)``, D and the gated norm's groups, the 2-D convolution, and the
+    split gate/up halves of the experts and the shared MLP joined again."""
+    out, halves = {}, {}
+    heads = {"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}
+    for name, w in tensors.items():
+        base, _, suffix = name.rpartition(".")
+        if suffix not in ("weight", "bias"):       # ssm_a, ssm_d have no suffix
+            base, suffix = name, "weight"
+        if base in ("token_embd", "output_norm", "output"):
+            out[{"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                 "output": "lm_head"}[base] + f".{suffix}"] = w
+            continue
+        parts = base.split(".", 2)
+        if len(parts) != 3 or parts[0] != "blk":
+            raise ValueError(f"{source} has tensor {name!r}, which has no place in a "
+                             f"Granite 4.0-H model")
+        _, i, kind = parts
+        layer = f"model.layers.{i}"
+        if kind in ("ffn_gate", "ffn_up", "ffn_gate_shexp", "ffn_up_shexp", "ffn_gate_exps",
+                    "ffn_up_exps"):
+            halves[(i, kind.removeprefix("ffn_gate").removeprefix("ffn_up"),
+                    kind.startswith("ffn_gate"))] = w
+            continue
+        if kind not in _GGUF_BLOCK:
+            raise ValueError(f"{source} has tensor {name!r}, which has no place in a "
+                             f"Granite 4.0-H model")
+        if kind in heads:
+            w = unpermute_rows(w, heads[kind])
+        elif kind == "ssm_a":
+            w = torch.log(-w.flatten())
+        elif kind == "ssm_d":
+            w = w.flatten()
+        elif kind in ("ssm_norm", "ssm_conv1d") and suffix == "weight":
+            w = w.flatten() if kind == "ssm_norm" else w[:, None]
+        key = f"{layer}.{_GGUF_BLOCK[kind]}"
+        out[key if kind in ("ssm_a", "ssm_d", "ssm_dt") else f"{key}.{suffix}"] = w
+    for (i, part, is_gate), w in halves.items():
+        if not is_gate:
+            continue
+        up = halves.get((i, part, False))
+        if up is None:
+            raise ValueError(f"{source}: blk.{i}.ffn_gate{part} has no ffn_up{part}")
+        where = "block_sparse_moe.input_linear" if part == "_exps" else "shared_mlp.input_linear"
+        out[f"model.layers.{i}.{where}.weight"] = torch.cat([w, up], dim=-2)
+    return out
+
+
 FAMILY = register_family(Family((KIND,), "GraniteMoeHybridForCausalLM", to_config, to_state,
-                                from_config, from_state))
+                                from_config, from_state,
+                                GgufMapping(("granitehybrid",), gguf_config, gguf_tensors)))

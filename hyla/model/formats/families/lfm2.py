@@ -26,7 +26,10 @@ from __future__ import annotations
 from hyla.model.config import HylaConfig
 from hyla.model.formats.families.base import (
     Family,
+    GgufMapping,
     check_all_taken,
+    gguf_shape,
+    gguf_value,
     head_from_hyla,
     head_to_hyla,
     refuse,
@@ -162,5 +165,61 @@ def from_config(cfg: HylaConfig) -> dict:
             "torch_dtype": "float32", "dtype": "float32"}
 
 
+# GGUF block tensor -> transformers decoder-layer suffix (llama.cpp's LFM2 names)
+_GGUF_BLOCK = {"attn_norm": "operator_norm", "ffn_norm": "ffn_norm",
+               "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3",
+               "ffn_down": "feed_forward.w2", "shortconv.conv": "conv.conv",
+               "shortconv.in_proj": "conv.in_proj", "shortconv.out_proj": "conv.out_proj",
+               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.out_proj",
+               "attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm"}
+
+
+def gguf_config(meta: dict, shapes: dict, source: str) -> dict:
+    """LFM2's config.json from llama.cpp's ``lfm2.*`` metadata: the layers with KV heads
+    are the attention layers, the rest convolutions; the FFN width is already adjusted."""
+    arch = meta["general.architecture"]
+    kv = gguf_value(meta, arch, "attention.head_count_kv", source)
+    n = int(gguf_value(meta, arch, "block_count", source))
+    kv = list(kv) if isinstance(kv, list) else [kv] * n
+    if len(kv) != n or not any(kv):
+        raise ValueError(f"{source}: {arch}.attention.head_count_kv {kv} must give {n} "
+                         f"layers, some of them attention (KV heads > 0)")
+    return {"model_type": KIND, "vocab_size": gguf_shape(shapes, "token_embd.weight", source)[0],
+            "hidden_size": gguf_value(meta, arch, "embedding_length", source),
+            "intermediate_size": gguf_value(meta, arch, "feed_forward_length", source),
+            "block_auto_adjust_ff_dim": False, "num_hidden_layers": n,
+            "num_attention_heads": gguf_value(meta, arch, "attention.head_count", source),
+            "num_key_value_heads": max(kv),
+            "layer_types": ["full_attention" if h else "conv" for h in kv],
+            "norm_eps": gguf_value(meta, arch, "attention.layer_norm_rms_epsilon", source),
+            "rope_theta": gguf_value(meta, arch, "rope.freq_base", source, 1e6),
+            "conv_L_cache": gguf_value(meta, arch, "shortconv.l_cache", source),
+            "tie_word_embeddings": "output.weight" not in shapes}
+
+
+def gguf_tensors(tensors: dict, hf: dict, source: str) -> dict:
+    """llama.cpp's LFM2 tensors by transformers' names (its 2-D convolution unsqueezed)."""
+    out = {}
+    for name, w in tensors.items():
+        base, _, suffix = name.rpartition(".")
+        if base == "token_embd":
+            out[f"model.embed_tokens.{suffix}"] = w
+        elif base == "token_embd_norm":                 # LFM2's final norm
+            out[f"model.embedding_norm.{suffix}"] = w
+        elif base == "output":
+            out[f"lm_head.{suffix}"] = w
+        elif base.startswith("blk.") and base.split(".", 2)[2] in _GGUF_BLOCK:
+            _, i, kind = base.split(".", 2)
+            if kind == "shortconv.conv" and suffix == "weight":
+                w = w[:, None]                          # [d, kernel] -> Conv1d's [d, 1, kernel]
+            out[f"model.layers.{i}.{_GGUF_BLOCK[kind]}.{suffix}"] = w
+        else:
+            raise ValueError(f"{source} has tensor {name!r}, which has no place in an LFM2 "
+                             f"model: refused, since dropping it would change the model")
+    return out
+
+
 FAMILY = register_family(Family((KIND,), "Lfm2ForCausalLM", to_config, to_state,
-                                from_config, from_state))
+                                from_config, from_state,
+                                GgufMapping(("lfm2",), gguf_config, gguf_tensors)))

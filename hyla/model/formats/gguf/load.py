@@ -26,6 +26,8 @@ import pathlib
 
 import torch
 
+from hyla.model.formats.families import GGUF_FAMILIES
+from hyla.model.formats.families.base import unpermute_rows
 from hyla.model.formats.hf import hf_config_to_hyla, hf_state_to_hyla, hyla_model_from
 from hyla.model.formats.hf.tokenizer import hf_tokenizer_from
 
@@ -68,10 +70,12 @@ def gguf_config(source) -> dict:
     f = source if hasattr(source, "metadata") else open_gguf(source)
     meta = f.metadata
     arch = meta.get("general.architecture")
+    if arch in GGUF_FAMILIES:
+        shapes = {name: tuple(info.shape) for name, info in f.tensors.items()}
+        return GGUF_FAMILIES[arch].gguf.config(meta, shapes, f"{f.path} (GGUF metadata)")
     if arch not in ARCHITECTURES:
         raise ValueError(f"{f.path}: GGUF architecture {arch!r} is not supported: expected "
-                         f"one of {list(ARCHITECTURES)} (standard GQA attention, rotary, "
-                         f"SwiGLU, RMSNorm)")
+                         f"one of {supported_architectures()}")
     hf = {"model_type": arch}
     for key, name in _CONFIG.items():
         if f"{arch}.{key}" in meta:
@@ -94,6 +98,11 @@ def gguf_config(source) -> dict:
     return hf
 
 
+def supported_architectures() -> list[str]:
+    """Every GGUF ``general.architecture`` hyla reads: the llama family and the hybrids."""
+    return sorted((*ARCHITECTURES, *GGUF_FAMILIES))
+
+
 def gguf_weights(f, cfg, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """The tensors of a parsed GGUF file under transformers' names, dequantised and cast to
     ``dtype`` one at a time; llama.cpp's q/k permutation of llama files undone. A tensor with
@@ -111,7 +120,7 @@ def gguf_weights(f, cfg, dtype: torch.dtype = torch.float32) -> dict[str, torch.
                              f"dropping it would change the model")
         w = f.tensor(name)
         if permute and kind in heads:
-            w = _unpermute(w, heads[kind])
+            w = unpermute_rows(w, heads[kind])
         out[hf_name] = w.to(dtype)
     return out
 
@@ -128,20 +137,20 @@ def _hf_name(name: str) -> tuple[str | None, str | None]:
     return None, None
 
 
-def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's convert-time interleaving of each head's rotary halves (rows of q or
-    k, weight or bias): row ``2i + j`` of a head goes back to ``j * half + i``."""
-    half = w.shape[0] // n_heads // 2
-    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
 def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
               device: str | torch.device = "cpu"):
     """(HylaLM in eval mode, tokenizer) from a ``.gguf`` file, dequantised to ``dtype``."""
     f = open_gguf(path)
     hf = gguf_config(f)
-    cfg = hf_config_to_hyla(hf, f"{f.path} (GGUF metadata)")   # refusals before any tensor
-    state = hf_state_to_hyla(gguf_weights(f, cfg, dtype), cfg, f.path)
+    source = f"{f.path} (GGUF metadata)"
+    family = GGUF_FAMILIES.get(f.metadata.get("general.architecture"))
+    if family is not None:
+        cfg = family.to_config(hf, source)          # refusals before any tensor
+        tensors = {name: f.tensor(name).to(dtype) for name in f.tensors}
+        state = family.to_state(family.gguf.tensors(tensors, hf, f.path), cfg, f.path)
+    else:
+        cfg = hf_config_to_hyla(hf, source)   # refusals before any tensor
+        state = hf_state_to_hyla(gguf_weights(f, cfg, dtype), cfg, f.path)
     # the tensors are this load's own, fresh: the model takes them rather than copies
     model = hyla_model_from(cfg, state, f.path, f"{f.path} (GGUF metadata)", dtype=dtype,
                             device=device, assign=torch.device(device).type == "cpu")
