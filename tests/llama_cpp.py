@@ -28,12 +28,14 @@ def converter_root() -> pathlib.Path | None:
     return next((r for r in roots if (r / "convert_hf_to_gguf.py").is_file()), None)
 
 
-def convert(hf_dir: pathlib.Path, out: pathlib.Path, outtype: str = "f32") -> pathlib.Path:
-    """``convert_hf_to_gguf.py hf_dir --outfile out --outtype outtype``; its stderr on failure."""
+def convert(hf_dir: pathlib.Path, out: pathlib.Path, outtype: str = "f32",
+            *extra: str) -> pathlib.Path:
+    """``convert_hf_to_gguf.py hf_dir --outfile out --outtype outtype [extra...]``; its stderr
+    on failure."""
     root = converter_root()
     env = {**os.environ, "PYTHONPATH": str(root / "gguf-py"), "NO_LOCAL_GGUF": ""}
     done = subprocess.run([sys.executable, str(root / "convert_hf_to_gguf.py"), str(hf_dir),
-                           "--outfile", str(out), "--outtype", outtype],
+                           "--outfile", str(out), "--outtype", outtype, *extra],
                           capture_output=True, text=True, env=env)
     if done.returncode:
         raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-3000:]}")

@@ -1,5 +1,6 @@
 """Hybrid GGUFs as llama.cpp writes them: tiny random transformers models (LFM2, Granite
-4.0-H dense and MoE, every norm, bias, A_log, D and dt_bias randomised) converted by
+4.0-H dense and MoE, Qwen3.5, Qwen3-Next with experts; every norm, bias, A_log, D and dt_bias
+randomised) converted by
 llama.cpp's own ``convert_hf_to_gguf.py``, then read by hyla: logits equal to transformers'
 on the source directory, the tokenizer equal to the source's, the file's quantisation kept,
 and files whose metadata lies refused before any weight is read."""
@@ -37,7 +38,7 @@ def randomise(model, seed: int):
                 p.copy_(torch.rand(p.shape, generator=g) + 0.5)
             elif name.endswith("dt_bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5 - 1)
-            elif name.endswith(("bias", ".D", "A_log", "router.weight")):
+            elif name.endswith(("bias", ".D", "A_log", "router.weight", "gate.weight")):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
         model.get_input_embeddings().weight.normal_(0.0, 1.0, generator=g)
     return model.eval()
@@ -62,7 +63,23 @@ def granite(experts: int):
             position_embedding_type="nope"))
 
 
-MODELS = {"lfm2": lfm2, "granite-dense": lambda: granite(0), "granite-moe": lambda: granite(4)}
+def qwen(module: str, cls: str, config: str, **moe):
+    return getattr(reference(module), cls)(getattr(transformers, config)(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+        linear_conv_kernel_dim=4, rms_norm_eps=1e-5, **moe,
+        layer_types=["linear_attention", "full_attention"] * 2,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0,
+                         "partial_rotary_factor": 0.5}))
+
+
+MODELS = {"lfm2": lfm2, "granite-dense": lambda: granite(0), "granite-moe": lambda: granite(4),
+          "qwen3.5": lambda: qwen("qwen3_5", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig"),
+          "qwen3-next": lambda: qwen("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
+                                     num_experts=4, num_experts_per_tok=2,
+                                     moe_intermediate_size=24, decoder_sparse_step=1,
+                                     shared_expert_intermediate_size=32)}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +100,8 @@ def files(tmp_path_factory):
             cfg = json.loads((d / "config.json").read_text())   # Granite 4.0-H ships
             cfg["layer_types"] = ["mamba", "attention", "mamba", "mamba"]
             (d / "config.json").write_text(json.dumps(cfg))
-        out[name] = ref, d, convert(d, d.with_suffix(".f32.gguf"))
+        extra = ("--no-mtp",) if name.startswith("qwen") else ()   # no MTP layers here
+        out[name] = ref, d, convert(d, d.with_suffix(".f32.gguf"), "f32", *extra)
     return out
 
 

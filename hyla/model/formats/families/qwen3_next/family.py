@@ -23,7 +23,18 @@ from __future__ import annotations
 import logging
 
 from hyla.model.config import HylaConfig
-from hyla.model.formats.families.base import Family, refuse, register_family, require
+from hyla.model.formats.families.base import (
+    Family,
+    GgufMapping,
+    refuse,
+    register_family,
+    require,
+)
+from hyla.model.formats.families.qwen3_next.llama_cpp import (
+    MODEL_TYPES,
+    gguf_config,
+    gguf_tensors,
+)
 from hyla.model.formats.families.qwen3_next.tensors import from_state, moe_options, to_state
 from hyla.model.layers import rope_from_hf_config
 from hyla.model.mixers.attention import AttentionMixer
@@ -196,6 +207,8 @@ def _check_exportable(cfg: HylaConfig, attn, delta, letters: str) -> None:
                              f"{need!r}")
 
 
+_GGUF = GgufMapping(tuple(MODEL_TYPES), gguf_config, gguf_tensors)
 for _kind in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"):
     register_family(Family((_kind,), ARCHITECTURES[NESTED.get(_kind, _kind)], to_config,
-                           to_state, from_config, from_state))
+                           to_state, from_config, from_state,
+                           _GGUF if _kind in MODEL_TYPES.values() else None))
