@@ -26,17 +26,22 @@ class Block(nn.Module):
         self.mixer_norm = RMSNorm(cfg.d_model, eps=layer.norm_eps,
                                   zero_centred=cfg.norm_zero_centred)
         self.mixer = MIXERS[letter](layer, layer_idx)
+        ffn = FFNS[cfg.ffn_letter(layer_idx)]
         self.mlp_norm = RMSNorm(cfg.d_model, eps=layer.norm_eps,
-                                zero_centred=cfg.norm_zero_centred)
-        self.mlp = FFNS[cfg.ffn_letter(layer_idx)](layer, layer_idx)
+                                zero_centred=cfg.norm_zero_centred) if ffn.present else None
+        self.mlp = ffn(layer, layer_idx)
         self.scale = layer.residual_scale
 
     def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         s = self.scale
         if self.pre_norm:
             x = x + self._scaled(self.mixer(self.mixer_norm(x), ctx), s)
+            if self.mlp_norm is None:       # no FFN half (ffn letter "N")
+                return x
             return x + self._scaled(self.mlp(self.mlp_norm(x)), s)
         x = x + self._scaled(self.mixer_norm(self.mixer(x, ctx)), s)
+        if self.mlp_norm is None:
+            return x
         return x + self._scaled(self.mlp_norm(self.mlp(x)), s)
 
     @staticmethod

@@ -154,7 +154,7 @@ def parameter_counts(cfg: HylaConfig) -> dict:
     active = total - idle
     return {"total": total, "active": active, "embedding": embedding, "lm_head": head,
             "matmul_active": active - embedding - head,
-            "moe_layers": sum(cfg.ffn_letter(i) != "S" for i in range(cfg.n_layers))}
+            "moe_layers": sum(cfg.ffn_letter(i) == "E" for i in range(cfg.n_layers))}
 
 
 def layer_windows(cfg: HylaConfig) -> list[int | None]:

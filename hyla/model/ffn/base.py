@@ -20,13 +20,14 @@ class FFN(nn.Module):
     """Base class of the feed-forward kinds: ``forward(x [..., d_model]) -> [..., d_model]``.
 
     Example:
-        >>> sorted(FFNS)[:2], FFNS["S"].kind
-        (['E', 'S'], 'dense')
+        >>> sorted(FFNS), FFNS["S"].kind
+        (['E', 'N', 'R', 'S'], 'dense')
     """
 
     letter: ClassVar[str] = ""
     kind: ClassVar[str] = ""
     options_class: ClassVar[type | None] = None
+    present: ClassVar[bool] = True      # False: the block has no FFN half (and no FFN norm)
 
     def __init__(self, cfg, layer_idx: int = 0):
         super().__init__()

@@ -80,7 +80,8 @@ def build_student(teacher: HylaLM, layers: str, kv_heads: int | None = None, *,
         student.lm_head.weight.copy_(teacher.lm_head.weight)
     for t_block, s_block in zip(teacher.blocks, student.blocks, strict=True):
         s_block.mixer_norm.load_state_dict(t_block.mixer_norm.state_dict())
-        s_block.mlp_norm.load_state_dict(t_block.mlp_norm.state_dict())
+        if t_block.mlp_norm is not None:       # an FFN half (ffn letter "N" has none)
+            s_block.mlp_norm.load_state_dict(t_block.mlp_norm.state_dict())
         s_block.mlp.load_state_dict(t_block.mlp.state_dict())
         s_block.mixer.init_from_attention(t_block.mixer)
     return student

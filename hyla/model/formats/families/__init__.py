@@ -7,6 +7,7 @@ from hyla.model.formats.families import (
     kimi_linear,  # noqa: F401  (registers the family)
     lfm2,  # noqa: F401  (registers the family)
     mimo_v2_flash,  # noqa: F401  (registers the family)
+    nemotron_h,  # noqa: F401  (registers the family)
     olmo_hybrid,  # noqa: F401  (registers the family)
     qwen3_next,  # noqa: F401  (registers the family)
 )
