@@ -87,6 +87,10 @@ FAMILIES = {   # name: (modeling module, model class, config class, config kwarg
         num_key_value_heads=2, norm_eps=1e-5, conv_L_cache=3, block_multiple_of=32,
         layer_types=["conv", "full_attention", "conv", "full_attention"],
         rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+    "nemotron_h": ("nemotron_h", "NemotronHForCausalLM", "NemotronHConfig", dict(
+        num_key_value_heads=2, head_dim=16, layer_norm_epsilon=1e-5, mamba_num_heads=8,
+        mamba_head_dim=16, ssm_state_size=16, n_groups=2, time_step_min=0.01,
+        layers_block_type=["mamba", "mlp", "mamba", "attention", "mlp"])),
     "olmo_hybrid": ("olmo_hybrid", "OlmoHybridForCausalLM", "OlmoHybridConfig", dict(
         num_key_value_heads=2, attention_bias=True, layer_types=LIN, linear_num_key_heads=2,
         linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=24,
@@ -221,7 +225,7 @@ def test_generate_ppl_export_memory(capsys, tmp_path, family_dirs, hf_tok, famil
 
 
 @pytest.mark.parametrize("family", ["kimi_linear", "mimo_v2_flash", "lfm2",
-                                    "granitemoehybrid"])
+                                    "granitemoehybrid", "nemotron_h"])
 def test_needle_and_simulate(capsys, tmp_path, family_dirs, family):
     """The other commands that take a model: passkey retrieval (MLA / window caches over
     a 256-token context) and the PrfaaS simulation sized from the directory's config."""
@@ -324,7 +328,9 @@ def _broken(src, tmp_path, how):
         (path / shard).unlink()
         return path, shard
     changes, needle = {      # a field changed so that the file's tensors no longer fit, or
-        "gelu": ({"hidden_act": "gelu"}, "hidden_act='gelu'"),     # no family has it
+        # no family has it (Nemotron-H calls its MLP's activation mlp_hidden_act)
+        "gelu": ({"mlp_hidden_act" if "mlp_hidden_act" in config else "hidden_act": "gelu"},
+                 "hidden_act='gelu'"),
         "head-dim": ({"linear_key_head_dim": 9}, "do not fit the layout"),
         "tied-head": ({"tie_word_embeddings": True}, "lm_head.weight differs"),
         "topk-group-0": ({"topk_group": 0}, "topk_group must be > 0"),

@@ -1,5 +1,5 @@
 """Hybrid GGUFs as llama.cpp writes them: tiny random transformers models (LFM2, Granite
-4.0-H dense and MoE, Qwen3.5, Qwen3-Next with experts; every norm, bias, A_log, D and dt_bias
+4.0-H dense and MoE, Nemotron-H, Qwen3.5, Qwen3-Next with experts; every norm, bias, A_log, D and dt_bias
 randomised) converted by
 llama.cpp's own ``convert_hf_to_gguf.py``, then read by hyla: logits equal to transformers'
 on the source directory, the tokenizer equal to the source's, the file's quantisation kept,
@@ -63,6 +63,29 @@ def granite(experts: int):
             position_embedding_type="nope"))
 
 
+def nemotron():
+    return reference("nemotron_h").NemotronHForCausalLM(transformers.NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+        layers_block_type=["mamba", "mlp", "mamba", "attention", "mlp", "mamba"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=4,
+        mamba_head_dim=16, ssm_state_size=16, n_groups=2, layer_norm_epsilon=1e-5))
+
+
+def nvidia_config(d: pathlib.Path) -> None:
+    """config.json as NVIDIA ships Nemotron-H (a pattern string, no MoE fields). Its
+    model_type renamed so that the converter reads the file as it is: through transformers'
+    own config class it gains MoE defaults and is written as nemotron_h_moe with every MLP
+    length 0, a file llama.cpp itself cannot run."""
+    cfg = json.loads((d / "config.json").read_text())
+    pattern = "".join({"linear_attention": "M", "full_attention": "*", "mlp": "-"}[t]
+                      for t in cfg.pop("layers_block_type"))
+    cfg = {k: v for k, v in cfg.items() if not any(
+        w in k for w in ("expert", "moe", "mtp", "layer_types"))}
+    cfg |= {"hybrid_override_pattern": pattern, "num_hidden_layers": len(pattern),
+            "model_type": "nemotron_h_nvidia"}
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
 def qwen(module: str, cls: str, config: str, **moe):
     return getattr(reference(module), cls)(getattr(transformers, config)(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
@@ -75,6 +98,7 @@ def qwen(module: str, cls: str, config: str, **moe):
 
 
 MODELS = {"lfm2": lfm2, "granite-dense": lambda: granite(0), "granite-moe": lambda: granite(4),
+          "nemotron-h": nemotron,
           "qwen3.5": lambda: qwen("qwen3_5", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig"),
           "qwen3-next": lambda: qwen("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
                                      num_experts=4, num_experts_per_tok=2,
@@ -100,6 +124,8 @@ def files(tmp_path_factory):
             cfg = json.loads((d / "config.json").read_text())   # Granite 4.0-H ships
             cfg["layer_types"] = ["mamba", "attention", "mamba", "mamba"]
             (d / "config.json").write_text(json.dumps(cfg))
+        if name == "nemotron-h":
+            nvidia_config(d)
         extra = ("--no-mtp",) if name.startswith("qwen") else ()   # no MTP layers here
         out[name] = ref, d, convert(d, d.with_suffix(".f32.gguf"), "f32", *extra)
     return out
@@ -170,6 +196,11 @@ def _lying_copy(path: pathlib.Path, out: pathlib.Path, **changes) -> pathlib.Pat
     ("granite-dense", {"granitehybrid.ssm.state_size": 32}, "shape"),
     ("granite-dense", {"granitehybrid.ssm.time_step_rank": 5}, "time_step_rank"),
     ("granite-dense", {"granitehybrid.ssm.group_count": 3}, "multiple of n_groups=3"),
+    ("nemotron-h", {"nemotron_h.feed_forward_length": [0, 48]}, "must give 6 blocks"),
+    ("nemotron-h", {"nemotron_h.feed_forward_length": [48] + [0] * 5},
+     "MLP with no Mamba or attention block before it"),
+    ("nemotron-h", {"nemotron_h.ssm.conv_kernel": 1000000}, "conv_kernel must be at most 64"),
+    ("nemotron-h", {"nemotron_h.ssm.state_size": 8}, "shape"),
 ])
 def test_lying_metadata_is_refused_naming_it(files, tmp_path, name, changes, needle):
     path = _lying_copy(files[name][2], tmp_path / "liar.gguf", **changes)
