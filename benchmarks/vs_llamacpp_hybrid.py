@@ -41,8 +41,9 @@ SHAPES = {
                          "partial_rotary_factor": 0.25})),
     "granite-4.0-h-350m": ("granitemoehybrid", "GraniteMoeHybridForCausalLM",
                            "GraniteMoeHybridConfig", dict(
-        vocab_size=100352, hidden_size=768, num_hidden_layers=32, num_attention_heads=12,
-        num_key_value_heads=4, num_local_experts=0, shared_intermediate_size=2048,
+        vocab_size=100352, hidden_size=768, intermediate_size=2048, num_hidden_layers=32,
+        num_attention_heads=12, num_key_value_heads=4, num_local_experts=0,
+        num_experts_per_tok=0, shared_intermediate_size=2048,
         mamba_n_heads=48, mamba_d_head=32, mamba_d_state=128, mamba_n_groups=1,
         mamba_d_conv=4, mamba_expand=2, position_embedding_type="nope",
         tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.246,

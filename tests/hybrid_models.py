@@ -21,6 +21,9 @@ VOCAB = 49152       # SmolLM2's tokenizer: one the converter recognises
 
 
 def randomise(model, seed: int):
+    """Every norm, bias, D, A_log, dt_bias and router away from its init; embeddings and an
+    untied head of unit scale, so that the top logits stand apart (at the init's 0.02 the
+    first two differ by ~1e-4, and Q8_0 rounding picks either)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -31,6 +34,8 @@ def randomise(model, seed: int):
             elif name.endswith(("bias", ".D", "A_log", "router.weight", "gate.weight")):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
         model.get_input_embeddings().weight.normal_(0.0, 1.0, generator=g)
+        if not model.config.tie_word_embeddings:
+            model.get_output_embeddings().weight.normal_(0.0, 1.0, generator=g)
     return model.eval()
 
 
@@ -42,11 +47,14 @@ def lfm2():
 
 
 def granite(experts: int):
+    """Dense as Granite 4.0-H ships dense models (no experts used; llama.cpp sizes the
+    FFN by intermediate_size, transformers by shared_intermediate_size: equal)."""
     return reference("granitemoehybrid").GraniteMoeHybridForCausalLM(
         transformers.GraniteMoeHybridConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, num_local_experts=experts,
-            num_experts_per_tok=2, shared_intermediate_size=24, mamba_n_heads=4,
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=16 if experts else 24,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            num_local_experts=experts, num_experts_per_tok=2 if experts else 0,
+            shared_intermediate_size=24, mamba_n_heads=4,
             mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2,
             layer_types=["mamba", "attention", "mamba", "mamba"], embedding_multiplier=6.0,
             residual_multiplier=0.4, attention_multiplier=0.2, logits_scaling=3.0,
@@ -70,26 +78,31 @@ def nvidia_config(d: pathlib.Path) -> None:
     pattern = "".join({"linear_attention": "M", "full_attention": "*", "mlp": "-"}[t]
                       for t in cfg.pop("layers_block_type"))
     cfg = {k: v for k, v in cfg.items() if not any(
-        w in k for w in ("expert", "moe", "mtp", "layer_types"))}
+        w in k for w in ("expert", "moe", "mtp", "layer_types", "group", "topk", "routed",
+                         "nextn")) or k == "n_groups"}
     cfg |= {"hybrid_override_pattern": pattern, "num_hidden_layers": len(pattern),
             "model_type": "nemotron_h_nvidia"}
     (d / "config.json").write_text(json.dumps(cfg))
 
 
-def qwen(module: str, cls: str, config: str, **moe):
+def qwen(module: str, cls: str, config: str, rope: dict | None = None, **moe):
+    """Key and value heads of one size, as Qwen3.5 and Qwen3-Next ship (llama.cpp sizes
+    both by ``ssm.state_size``)."""
     return getattr(reference(module), cls)(getattr(transformers, config)(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
         linear_conv_kernel_dim=4, rms_norm_eps=1e-5, **moe,
         layer_types=["linear_attention", "full_attention"] * 2,
         rope_parameters={"rope_type": "default", "rope_theta": 500.0,
-                         "partial_rotary_factor": 0.5}))
+                         "partial_rotary_factor": 0.5, **(rope or {})}))
 
 
 MODELS = {"lfm2": lfm2, "granite-dense": lambda: granite(0), "granite-moe": lambda: granite(4),
           "nemotron-h": nemotron,
-          "qwen3.5": lambda: qwen("qwen3_5", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig"),
+          # Qwen3.5's multimodal rotary sections, sized to these heads' 8 rotary dims
+          "qwen3.5": lambda: qwen("qwen3_5", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig",
+                                  {"mrope_section": [2, 1, 1], "mrope_interleaved": True}),
           "qwen3-next": lambda: qwen("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
                                      num_experts=4, num_experts_per_tok=2,
                                      moe_intermediate_size=24, decoder_sparse_step=1,
