@@ -13,12 +13,13 @@ those kernels in bf16, the dtype they are fast in; everything outside the linear
 
 A linear layer the int4 kernel cannot take (an input size not a multiple of the group, a
 tiny low-rank gate) falls back to int8. The output layer keeps 8 bits under both schemes: per
-row, computed by fbgemm's int8 products where the CPU has VNNI
+row, computed by fbgemm's int8 products on any x86 CPU with AVX2
 (:mod:`hyla.model.vnni_int8`), else in groups of 32 through the int4 kernel
 (:class:`Int8GroupLinear`); the embedding table is kept as int8 rows and an MoE router in
 float. Projections of one input (q, k, v; gate, up) become one quantised weight
-(:mod:`hyla.model.fused_projections`). Decode batches and short prompts (2-64 rows) take
-fbgemm's int8 products where VNNI runs them, and more rows (prefill) a dense GEMM
+(:mod:`hyla.model.fused_projections`). Decode batches and short prompts (2-64 rows; from
+one row where that measures faster, :func:`fbgemm_min_rows`) take fbgemm's int8 products,
+and more rows (prefill) a dense GEMM
 (:class:`WeightOnlyLinear`). A quantised model is for inference only: it refuses to train.
 
 Example:
@@ -45,7 +46,12 @@ from torch import nn
 
 from hyla.model.activation_rotation import BlockHadamard
 from hyla.model.fused_projections import fuse_siblings
-from hyla.model.vnni_int8 import VnniInt8Matmul, per_row_int8, vnni_int8_available
+from hyla.model.vnni_int8 import (
+    VnniInt8Matmul,
+    int8_products_available,
+    per_row_int8,
+    vnni_int8_available,
+)
 from hyla.ops.hardware import checked_once
 from hyla.perf import release_freed_memory
 
@@ -94,9 +100,16 @@ class WeightOnlyLinear(nn.Module):
     in_features: int
     out_features: int
     # From how many rows (up to KERNEL_MAX_ROWS) fbgemm's int8 products (VnniInt8Matmul) take
-    # over where VNNI runs them: the output layer from one (set at quantisation), the others
-    # from two (their own kernel is as fast for one row, and needs no int8 copy).
+    # over where they run: the output layer from one (set at quantisation), the others from
+    # two where their own kernel is as fast for one row (it needs no int8 copy), from one
+    # where it is not (fbgemm_min_rows: measured once on the CPU at hand).
     vnni_min_rows = 2
+    # Whether int8_rows are the layer's own codes (Int8Linear), so that fbgemm computes
+    # exactly its weight: only then does one row take fbgemm where fbgemm_min_rows says so,
+    # and only then without VNNI. Others' codes are requantised (int4 groups onto one int8
+    # scale a row), which on AVX2's 7-bit grid cost SmolLM2 +1.5% decode-path perplexity at
+    # 16 rows (benchmarks/vnni_int8.py) for 11% more tokens/s: their own kernel stays.
+    exact_int8_rows = False
     # The activations' bits in those products for decode batches: 16 (a row and its
     # residual) or 8 (rotated first, half the work: VnniInt8Matmul.eight_bit), set by
     # quantize_model's "-a8" schemes. Other rows (prompts) take 16 bits on the plain copy,
@@ -141,7 +154,13 @@ class WeightOnlyLinear(nn.Module):
         rows = flat.shape[0]
         # dtype checks before .to: a no-op conversion still costs a dispatch (~1 us), and a
         # decode step makes hundreds of these calls
-        if self.vnni_min_rows <= rows <= KERNEL_MAX_ROWS and vnni_int8_available():
+        if self.exact_int8_rows:
+            least = min(self.vnni_min_rows, fbgemm_min_rows())
+        elif vnni_int8_available():
+            least = self.vnni_min_rows
+        else:   # requantised codes and a 7-bit grid: +1.5% perplexity for 11% speed
+            least = KERNEL_MAX_ROWS + 1
+        if least <= rows <= KERNEL_MAX_ROWS and int8_products_available():
             # "-a8" takes 8-bit activations in decode batches alone, where the throughput
             # is: several sequences of one row each ([B, 1, in]). A prompt's rows keep 16
             # bits: they set the state every later token reads.
@@ -161,8 +180,37 @@ class WeightOnlyLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+@checked_once
+def fbgemm_min_rows() -> int:
+    """1 where fbgemm's int8 products beat torch's int8 kernel (bf16 activations) on one row
+    by 1.5x or more on this CPU, else 2: timed once, on a 1,024 x 1,024 weight (a few ms).
+    An AVX2 CPU without fast bf16: 1 (10-30x); AVX512 with VNNI and bf16: 2 (about equal,
+    and the kernel needs no second copy)."""
+    import time
+
+    if not int8_products_available():
+        return 2
+    g = torch.Generator().manual_seed(0)
+    codes, scales = per_row_int8(torch.randn(1024, 1024, generator=g))
+    x = torch.randn(1, 1024, generator=g)
+    xb, sb, fb = x.bfloat16(), scales.bfloat16(), VnniInt8Matmul(codes, scales)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+    own = best(lambda: torch._weight_int8pack_mm(xb, codes, sb))
+    return 1 if best(lambda: fb(x)) * 1.5 <= own else 2
+
+
 class Int8Linear(WeightOnlyLinear):
     """``y = x @ dequant(W).T + b`` with W int8 [out, in] and one bf16 scale per output row."""
+
+    exact_int8_rows = True
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  rows: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -346,10 +394,10 @@ def prepare_copies(model: nn.Module) -> int:
     pays for them: about a second for SmolLM2-135M, which a server spends after it is ready
     rather than on some client's first long prompt. Returns how many layers it prepared."""
     # the checks forward makes, answered now: a compiled step then sees constants
-    vnni_int8_available(), _dense_in_bf16(), _int4_layout_known()
+    int8_products_available(), fbgemm_min_rows(), _dense_in_bf16(), _int4_layout_known()
     layers = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
     for m in layers:
-        if vnni_int8_available():
+        if int8_products_available():
             m.vnni_matmul()
             if m.activation_bits == 8:
                 m.vnni_matmul(eight_bit=True)
@@ -401,11 +449,12 @@ def quantize_model(model: nn.Module, scheme: str, *, group: int = INT4_GROUP) ->
     def make(weight: torch.Tensor, bias: torch.Tensor | None, name: str = "") -> nn.Module:
         # The output layer keeps 8 bits under int4, as llama.cpp's 4-bit files keep it at 6-8
         # bits: each of its errors lands directly on a logit (4 bits there cost SmolLM2 4%
-        # perplexity). Per row with VNNI (int8 x int8 from one row: 4x faster, vnni_int8's
-        # doc), else in groups through the int4 kernel: faster than torch's int8 kernel.
+        # perplexity). Per row through fbgemm (int8 x int8 from one row: 4x faster with
+        # VNNI, 16x on AVX2 alone; vnni_int8's doc), else in groups through the int4 kernel:
+        # faster than torch's int8 kernel.
         fits = int4_fits(weight, group)
         if name == "lm_head":
-            if vnni_int8_available():
+            if int8_products_available():
                 head = Int8Linear(weight, bias, int8_rows(weight))
                 head.vnni_min_rows = 1
                 return head

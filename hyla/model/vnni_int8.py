@@ -17,8 +17,12 @@ result does not depend on what else is in the batch. The weight keeps one scale 
 row (8 bits), the one error left: on SmolLM2 the decode path's perplexity moved 0.03% for
 one sequence and 0.2% for 16 together.
 
-Only where VNNI runs it: without VNNI, fbgemm sums pairs of products in int16, which
-saturates unless the activations lose a bit; there the weight-only kernels stay.
+Without VNNI (AVX2 alone), fbgemm sums pairs of products in int16, which saturates with
+8-bit activations: there the grid is k / 127 (fbgemm's ``reduce_range``, 7 bits, two of
+them a row with the residual: about 14 bits). On this project's AVX2 machine that still
+beats torch's weight-only int8 kernel 10-30x for one row (bf16 activations have no fast
+path there): 0.11 against 3.5 ms on a 3,376 x 768 weight, 6.8 against 112 ms on a
+100,352 x 768 output layer (``benchmarks/vnni_int8.py`` on SmolLM2).
 """
 
 from __future__ import annotations
@@ -34,11 +38,22 @@ from hyla.ops.hardware import checked_once
 
 
 @checked_once
-def vnni_int8_available() -> bool:
-    """Whether fbgemm's int8 products run here on VNNI (x86 with AVX512-VNNI)."""
+def int8_products_available() -> bool:
+    """Whether fbgemm's int8 products run here (x86 with AVX2 or better)."""
     return ("fbgemm" in torch.backends.quantized.supported_engines
             and torch.backends.quantized.engine in ("x86", "fbgemm")
-            and torch.cpu._is_vnni_supported())
+            and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+
+
+@checked_once
+def vnni_int8_available() -> bool:
+    """Whether they run on VNNI (AVX512-VNNI): 8-bit activations, int32 sums."""
+    return int8_products_available() and torch.cpu._is_vnni_supported()
+
+
+def activation_levels() -> int:
+    """The activations' grid of fbgemm's products here: 255 steps with VNNI, else 127."""
+    return 255 if vnni_int8_available() else 127
 
 
 def per_row_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +76,8 @@ _LIB.define("vnni_int8_linear(Tensor x, int handle) -> Tensor")
 
 
 def _linear_impl(x: torch.Tensor, handle: int) -> torch.Tensor:
-    return torch.ops.quantized.linear_dynamic(x, _PACKED[handle].packed, False)
+    mm = _PACKED[handle]
+    return torch.ops.quantized.linear_dynamic(x, mm.packed, mm.reduce_range)
 
 
 _LIB.impl("vnni_int8_linear", _linear_impl, "CPU")
@@ -94,12 +110,17 @@ class VnniInt8Matmul:
     """
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, residual: bool = True,
-                 rotation: BlockHadamard | None = None):
+                 rotation: BlockHadamard | None = None, levels: int | None = None):
         """``residual`` False: 8-bit activations, one row each (half the work; measured +1.5%
         decode-path perplexity on SmolLM2 at 16 rows, ``benchmarks/vnni_int8.py``).
         ``rotation``: applied to the activations first (the codes must be of the weight
-        rotated alike: :meth:`eight_bit` makes both)."""
+        rotated alike: :meth:`eight_bit` makes both). ``levels``: the activations' grid,
+        255 or 127 (None: :func:`activation_levels`; 127 runs on any AVX2 CPU)."""
         self.residual, self.rotation = residual, rotation
+        self.levels = levels or activation_levels()
+        if self.levels not in (127, 255):
+            raise ValueError(f"levels must be 127 or 255, got {self.levels}")
+        self.reduce_range = self.levels == 127     # 7-bit activations: no int16 overflow
         scales = scales.double()
         with warnings.catch_warnings():   # quantised tensors are deprecated, fbgemm is not
             warnings.simplefilter("ignore", UserWarning)
@@ -131,19 +152,19 @@ class VnniInt8Matmul:
         # amin and amax: torch.aminmax over rows measured 5-10x slower on CPU
         low = x.amin(dim=1, keepdim=True)
         span = (x.amax(dim=1, keepdim=True) - low).clamp_(min=1e-30)
-        unit = (x - low).div_(span)                     # [0, 1]: fbgemm's grid is k / 255
+        unit = (x - low).div_(span)          # [0, 1]: fbgemm's grid is k / L, L = levels
         if not self.residual:
             return self._product(unit).mul_(span).addcmul_(low, self.row_sums)
-        scaled = unit * 255
+        L = self.levels
+        scaled = unit * L
         residual = scaled.sub_(scaled.round()).add_(0.5)     # what the grid missed, in [0, 1]
-        # one call for both (the weight is read once); reduce_range False: 8-bit activations,
-        # safe with VNNI's int32 sums
+        # one call for both (the weight is read once)
         y = self._product(torch.cat([unit, residual]))
-        # W x = span (W unit + (W residual - W 1 / 2) / 255) + low W 1
-        out = torch.add(y[:M], y[M:], alpha=1 / 255).mul_(span)
-        return out.addcmul_(low - span / 510, self.row_sums)
+        # W x = span (W unit + (W residual - W 1 / 2) / L) + low W 1
+        out = torch.add(y[:M], y[M:], alpha=1 / L).mul_(span)
+        return out.addcmul_(low - span / (2 * L), self.row_sums)
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return _linear_by_handle(rows, self.handle)
-        return torch.ops.quantized.linear_dynamic(rows, self.packed, False)
+        return torch.ops.quantized.linear_dynamic(rows, self.packed, self.reduce_range)

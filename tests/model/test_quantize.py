@@ -16,7 +16,7 @@ from hyla.model.quantize import (
     prepare_copies,
     quantize_model,
 )
-from hyla.model.vnni_int8 import vnni_int8_available
+from hyla.model.vnni_int8 import int8_products_available
 
 
 def test_int8_linear_is_its_dequantised_weight():
@@ -75,7 +75,8 @@ def test_int4_falls_back_to_int8_where_the_kernel_cannot():
     assert {"Int4Linear", "Int8Linear", "Int8Embedding"} <= kinds
     assert 0 < report.int4_layers < report.layers
     # the output layer keeps 8 bits: per row for fbgemm's VNNI products, else in groups
-    assert isinstance(model.lm_head, Int8Linear if vnni_int8_available() else Int8GroupLinear)
+    assert isinstance(model.lm_head, Int8Linear if int8_products_available()
+                      else Int8GroupLinear)
     assert "Linear" not in kinds and "Embedding" not in kinds
 
 
@@ -144,7 +145,7 @@ def test_prepare_copies_makes_ahead_what_first_use_would_make():
     assert prepare_copies(model) == len(layers)
     dense = _dense_in_bf16() and _int4_layout_known()
     assert all(("_dense_bf16" in m.__dict__) == dense for m in layers)
-    assert all(("_vnni" in m.__dict__) == vnni_int8_available() for m in layers)
+    assert all(("_vnni" in m.__dict__) == int8_products_available() for m in layers)
     after = model(ids), model(ids[:, :5])
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
