@@ -110,10 +110,15 @@ class Mamba2Mixer(Mixer):
                                  bias=o.proj_bias)
         self.conv = nn.Conv1d(channels, channels, o.conv_kernel, groups=channels,
                               bias=o.conv_bias)
-        # Mamba-2's initialisation: A in [1, 16], dt in [1e-3, 1e-1] log-uniformly
-        self.A_log = nn.Parameter(torch.empty(self.heads).uniform_(1, 16).log())
-        dt = torch.exp(torch.empty(self.heads).uniform_(math.log(1e-3), math.log(1e-1)))
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))     # softplus^-1(dt)
+        # Mamba-2's initialisation: A in [1, 16], dt in [1e-3, 1e-1] log-uniformly. Made on
+        # the CPU, then moved: on the meta device (a loader's skeleton) the first such
+        # pointwise op imports torch's Python meta kernels, 2 s of start-up
+        device = torch.empty(0).device
+        a = torch.empty(self.heads, device="cpu").uniform_(1, 16)
+        dt = torch.exp(torch.empty(self.heads, device="cpu").uniform_(math.log(1e-3),
+                                                                       math.log(1e-1)))
+        self.A_log = nn.Parameter(a.log().to(device))
+        self.dt_bias = nn.Parameter((dt + torch.log(-torch.expm1(-dt))).to(device))  # softplus^-1
         self.D = nn.Parameter(torch.ones(self.heads))
         self.norm_weight = nn.Parameter(torch.ones(self.inner)) if o.gated_norm else None
         self.out_proj = nn.Linear(self.inner, cfg.d_model, bias=o.proj_bias)
