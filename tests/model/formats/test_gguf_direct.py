@@ -219,3 +219,24 @@ def test_smollm2_load_and_cli_import_pull_no_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("pre,pieces", [
+    # Qwen3.5 keeps a combining mark inside its word and splits digits one by one
+    ("qwen35", ["cafe\u0301", "Ġ", "1", "2", "3"]),
+    # Qwen2's split ends the word at the mark
+    ("qwen2", ["cafe", "\u0301", "Ġ", "1", "2", "3"]),
+])
+def test_pre_tokenizer_splits_by_the_files_pre_value(pre, pieces):
+    from hyla.model.formats.gguf.tokenizer import byte_level_bpe
+    from hyla.model.formats.hf.tokenizer import bytes_to_unicode
+
+    spell = bytes_to_unicode()
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+            "tokenizer.ggml.tokens": [spell[b] for b in range(256)],
+            "tokenizer.ggml.merges": [], "tokenizer.ggml.token_type": [1] * 256}
+    tok = byte_level_bpe(meta)
+    assert tok is not None
+    got = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str("cafe\u0301 123")]
+    want = ["".join(spell[b] for b in piece.replace("Ġ", " ").encode()) for piece in pieces]
+    assert got == want
