@@ -224,15 +224,33 @@ class Int8Linear(WeightOnlyLinear):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.out_features, self.in_features = codes.shape
 
+    def vnni_matmul(self, eight_bit: bool = False) -> VnniInt8Matmul:
+        vnni = super().vnni_matmul(eight_bit)
+        if not eight_bit and self.qweight is not None and fbgemm_min_rows() == 1 \
+                and not _dense_in_bf16():
+            # fbgemm's packed copy now serves every row count (from one row, and prefill
+            # dequantises from it): the layer's own codes would be a second copy of the
+            # weight (Granite-4.0-H-350M: 350 MB)
+            self.qweight = None
+        return vnni
+
+    def _unpacked(self) -> torch.Tensor:
+        """The weight as fbgemm holds it (a quantised tensor), once the codes are dropped."""
+        return torch.ops.quantized.linear_unpack(self.__dict__["_vnni"].packed)[0]
+
     def int8_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.qweight is None:
+            return self._unpacked().int_repr(), self.scales.float()
         return self.qweight, self.scales.float()
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if self.in_features % INT8_KERNEL_K:
+        if self.in_features % INT8_KERNEL_K or self.qweight is None:
             return F.linear(x, self.dequantized(x.dtype))
         return torch._weight_int8pack_mm(x, self.qweight, self.scales)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.qweight is None:
+            return self._unpacked().dequantize().to(dtype)
         return (self.qweight.float() * self.scales.float()[:, None]).to(dtype)
 
 
@@ -405,6 +423,7 @@ def prepare_copies(model: nn.Module) -> int:
                 m.vnni_matmul(eight_bit=True)
         if _dense_in_bf16() and _int4_layout_known():
             m.dense_bf16()
+    release_freed_memory()        # codes the packed copies replaced (Int8Linear.vnni_matmul)
     return len(layers)
 
 

@@ -192,3 +192,23 @@ def test_one_row_takes_fbgemm_where_it_measures_faster():
     layers = [m for m in model.modules() if isinstance(m, Q.WeightOnlyLinear)
               and m is not model.lm_head]
     assert all(("_vnni" in m.__dict__) == (rows == 1) for m in layers)
+
+
+@needs_fbgemm
+def test_int8_codes_give_way_to_the_packed_copy_where_it_serves_every_row(monkeypatch):
+    """Where fbgemm takes one row up and bf16 is slow (AVX2), an Int8Linear keeps one copy
+    of its weight, fbgemm's: its codes, dense weight and outputs are unchanged."""
+    monkeypatch.setattr(Q, "fbgemm_min_rows", lambda: 1)
+    monkeypatch.setattr(Q, "_dense_in_bf16", lambda: False)
+    torch.manual_seed(0)
+    layer = Q.Int8Linear(torch.randn(96, 64), None)
+    codes, dense = layer.qweight.clone(), layer.dequantized()
+    x = torch.randn(Q.KERNEL_MAX_ROWS + 36, 64)         # the dense path, no copy made
+    many = layer(x)
+    layer.vnni_matmul()
+    assert layer.qweight is None and "qweight" not in layer.state_dict()
+    assert torch.equal(layer.int8_rows()[0], codes)
+    assert torch.equal(layer.dequantized(), dense)
+    assert torch.equal(layer(x), many)
+    one = layer(x[:1])                                      # fbgemm's products
+    assert (one - many[:1]).norm() < 1e-3 * many[:1].norm()
