@@ -130,10 +130,16 @@ def test_kv_reservation_is_resident_only_as_it_fills(model):
     assert t.dtype == torch.bfloat16 and t.shape == (64, 4, 2, 8) and not t.any()
 
 
-def test_auto_caches_bfloat16_under_quantised_weights():
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_auto_caches_bfloat16_under_quantised_weights_where_bf16_is_fast(monkeypatch,
+                                                                          fast_bf16):
+    import hyla.serve.engine as engine
     from hyla.model.quantize import quantize_model
 
+    monkeypatch.setattr(engine, "fast_low_precision_matmul", lambda dtype, device: fast_bf16)
     q = HylaLM(preset("debug")).eval()
     quantize_model(q, "int8")
-    assert kv_dtype_for(q, "auto") == torch.bfloat16 == kv_dtype_for(q, None)
+    want = torch.bfloat16 if fast_bf16 else torch.float32   # emulated bf16: the model's own
+    assert kv_dtype_for(q, "auto") == want == kv_dtype_for(q, None)
     assert kv_dtype_for(q, "float32") == torch.float32          # asked for: kept
+    assert kv_dtype_for(q, "bfloat16") == torch.bfloat16
