@@ -1,4 +1,4 @@
-"""fbgemm's int8 products (hyla.model.vnni_int8) beat torch's weight-only kernels, with VNNI or AVX2 alone.
+"""fbgemm's int8 products (hyla.model.vnni_int8) beat torch's weight-only kernels, VNNI or AVX2.
 
 On a VNNI CPU the activations' grid is 8 bits, on AVX2 alone 7 (the results say which).
 SmolLM2-135M int4, one thread, alternating rounds, medians: the output layer (49,152 x 576) at 1
