@@ -1,4 +1,4 @@
-"""On hybrid GGUFs hyla serve outruns llama-server, most at long context, one thread each.
+"""hyla serve vs llama-server on hybrid GGUFs: Qwen3.5 4.7x decode; Granite 0.4x, 1.1x at 16K.
 
 Random-weight checkpoints of two shipped hybrids' shapes (weights do not change speed): a
 Qwen3.5-0.8B (hidden 1024; 24 layers, 3 gated-DeltaNet to 1 gated attention; 16 QK and 16 V
