@@ -118,6 +118,20 @@ def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def mamba2_gguf_tensor(kind: str, suffix: str, w: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """One of llama.cpp's Mamba-2 block tensors (``ssm_*``, as granitehybrid and nemotron_h
+    write them) as transformers holds it: ``A = -exp(A_log)`` undone, D and the gated norm's
+    groups flattened, the convolution 2-D again; and whether its name takes no ``.weight``
+    suffix in transformers (A_log, D, dt_bias)."""
+    if kind == "ssm_a":
+        w = torch.log(-w.flatten())
+    elif kind == "ssm_d":
+        w = w.flatten()
+    elif kind in ("ssm_norm", "ssm_conv1d") and suffix == "weight":
+        w = w.flatten() if kind == "ssm_norm" else w[:, None]
+    return w, kind in ("ssm_a", "ssm_d", "ssm_dt")
+
+
 def gguf_shape(shapes: dict, name: str, source: str) -> tuple[int, ...]:
     """The shape of GGUF tensor ``name``, or a ValueError naming the file and the tensor."""
     if name not in shapes:

@@ -39,6 +39,7 @@ from hyla.model.formats.families.base import (
     gguf_value,
     head_from_hyla,
     head_to_hyla,
+    mamba2_gguf_tensor,
     refuse,
     register_family,
     require,
@@ -353,15 +354,11 @@ def gguf_tensors(tensors: dict, hf: dict, source: str) -> dict:
             raise ValueError(f"{source} has tensor {name!r}, which has no place in a "
                              f"Granite 4.0-H model")
         if kind in heads:
-            w = unpermute_rows(w, heads[kind])
-        elif kind == "ssm_a":
-            w = torch.log(-w.flatten())
-        elif kind == "ssm_d":
-            w = w.flatten()
-        elif kind in ("ssm_norm", "ssm_conv1d") and suffix == "weight":
-            w = w.flatten() if kind == "ssm_norm" else w[:, None]
+            w, bare = unpermute_rows(w, heads[kind]), False
+        else:
+            w, bare = mamba2_gguf_tensor(kind, suffix, w)
         key = f"{layer}.{_GGUF_BLOCK[kind]}"
-        out[key if kind in ("ssm_a", "ssm_d", "ssm_dt") else f"{key}.{suffix}"] = w
+        out[key if bare else f"{key}.{suffix}"] = w
     for (i, part, is_gate), w in halves.items():
         if not is_gate:
             continue

@@ -28,8 +28,6 @@ from __future__ import annotations
 import logging
 import math
 
-import torch
-
 from hyla.model.config import HylaConfig
 from hyla.model.formats.families.base import (
     Family,
@@ -39,6 +37,7 @@ from hyla.model.formats.families.base import (
     gguf_value,
     head_from_hyla,
     head_to_hyla,
+    mamba2_gguf_tensor,
     refuse,
     register_family,
     require,
@@ -303,15 +302,11 @@ def gguf_tensors(tensors: dict, hf: dict, source: str) -> dict:
                              f"Nemotron-H model")
         _, i, kind = parts
         if kind in heads:
-            w = unpermute_rows(w, heads[kind])
-        elif kind == "ssm_a":
-            w = torch.log(-w.flatten())
-        elif kind == "ssm_d":
-            w = w.flatten()
-        elif kind in ("ssm_norm", "ssm_conv1d") and suffix == "weight":
-            w = w.flatten() if kind == "ssm_norm" else w[:, None]
+            w, bare = unpermute_rows(w, heads[kind]), False
+        else:
+            w, bare = mamba2_gguf_tensor(kind, suffix, w)
         key = f"model.layers.{i}.{_GGUF_BLOCK[kind]}"
-        out[key if kind in ("ssm_a", "ssm_d", "ssm_dt") else f"{key}.{suffix}"] = w
+        out[key if bare else f"{key}.{suffix}"] = w
     return out
 
 
