@@ -56,11 +56,29 @@ def activation_levels() -> int:
     return 255 if vnni_int8_available() else 127
 
 
-def per_row_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 codes [out, in] and one fp32 scale per output row of ``weight``."""
-    w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / 127).clamp_(min=1e-12)
-    return torch.div(w, scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), scale
+def per_row_int8(weight: torch.Tensor, rows: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes [out, in] and one fp32 scale per output row of ``weight``.
+
+    ``rows`` at a time: each pass then stays in cache (a 248K-row embedding: 0.55 s against
+    2.0 s in one piece on an AVX2 EPYC).
+    """
+    w = weight.detach()
+    codes = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for i in range(0, w.shape[0], rows):
+        part = w[i:i + rows].float()
+        s = (part.abs().amax(dim=1) / 127).clamp_(min=1e-12)
+        scale[i:i + rows] = s
+        codes[i:i + rows] = torch.div(part, s[:, None]).round_().clamp_(-127, 127)
+    return codes, scale
+
+
+def code_row_sums(codes: torch.Tensor, rows: int = 2048) -> torch.Tensor:
+    """Each row's sum of int8 ``codes``, exact (in float32: under 2^24 for rows of fewer than
+    132K columns), ``rows`` at a time: 10x faster than one int32 sum over the whole matrix."""
+    if codes.shape[1] * 127 >= 2 ** 24:
+        return codes.sum(dim=1, dtype=torch.int64).float()
+    return torch.cat([part.float().sum(dim=1) for part in codes.split(rows)])
 
 
 # torch.compile cannot put fbgemm's packed weight (a TorchScript object) in a graph, so a
@@ -131,7 +149,7 @@ class VnniInt8Matmul:
         self.handle = next(_HANDLES)
         _PACKED[self.handle] = self
         # W 1, of the weight as quantised (integer sums: exact and cheap)
-        self.row_sums = (codes.sum(dim=1, dtype=torch.int32).double() * scales).float()
+        self.row_sums = (code_row_sums(codes).double() * scales).float()
 
     @classmethod
     def eight_bit(cls, weight: torch.Tensor) -> VnniInt8Matmul:

@@ -189,6 +189,20 @@ def expand_kv_heads(weight: torch.Tensor, heads: int, new_heads: int) -> torch.T
         new_heads * D, -1)
 
 
+def mamba_decay_init(heads: int, decays: int | None = None
+                     ) -> tuple[nn.Parameter, nn.Parameter]:
+    """(A_log [heads], dt_bias [decays or heads]) as Mamba-2 initialises them: A in [1, 16],
+    dt in [1e-3, 1e-1] log-uniformly, dt_bias its softplus inverse. Made on the CPU, then
+    moved to the default device: on the meta device (a loader's skeleton) the first such
+    pointwise op imports torch's Python meta kernels, 2-3 s of start-up."""
+    device = torch.empty(0).device
+    a = torch.empty(heads, device="cpu").uniform_(1, 16)
+    dt = torch.exp(torch.empty(decays or heads, device="cpu").uniform_(math.log(1e-3),
+                                                                     math.log(1e-1)))
+    return (nn.Parameter(a.log().to(device)),
+            nn.Parameter((dt + torch.log(-torch.expm1(-dt))).to(device)))
+
+
 MIXERS: dict[str, type[Mixer]] = {}
 
 

@@ -30,6 +30,7 @@ from hyla.model.mixers.base import (
     StateSpec,
     TensorSpec,
     expand_kv_heads,
+    mamba_decay_init,
     register_mixer,
 )
 from hyla.model.mixers.delta_options import CONV_KERNEL, DeltaOptions, delta_dims
@@ -88,10 +89,7 @@ class GatedDeltaMixer(Mixer):
         decays = H * self.dk if self.per_channel else H
         self.a_down = nn.Linear(d, o.decay_rank, bias=False) if o.decay_rank else None
         self.a_proj = nn.Linear(o.decay_rank or d, decays, bias=False)
-        # Mamba2's initialisation: A in [1, 16], dt in [1e-3, 1e-1] log-uniformly.
-        self.A_log = nn.Parameter(torch.empty(H).uniform_(1, 16).log())
-        dt = torch.exp(torch.empty(decays).uniform_(math.log(1e-3), math.log(1e-1)))
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))   # softplus^-1(dt)
+        self.A_log, self.dt_bias = mamba_decay_init(H, decays)   # Mamba-2's
         self.g_down = nn.Linear(d, o.gate_rank, bias=False) if o.gate_rank else None
         self.g_proj = nn.Linear(o.gate_rank or d, vd, bias=False)
         self.o_norm = RMSNorm(self.dv, eps=cfg.norm_eps if o.o_norm_eps is None

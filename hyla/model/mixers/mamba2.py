@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyla.model.mixers.base import Mixer, StateSpec, TensorSpec, register_mixer
+from hyla.model.mixers.base import Mixer, StateSpec, TensorSpec, mamba_decay_init, register_mixer
 from hyla.ops.short_conv import causal_conv, causal_conv_step
 from hyla.ops.ssd import chunk_ssd, ssd_decode_step
 
@@ -110,15 +110,7 @@ class Mamba2Mixer(Mixer):
                                  bias=o.proj_bias)
         self.conv = nn.Conv1d(channels, channels, o.conv_kernel, groups=channels,
                               bias=o.conv_bias)
-        # Mamba-2's initialisation: A in [1, 16], dt in [1e-3, 1e-1] log-uniformly. Made on
-        # the CPU, then moved: on the meta device (a loader's skeleton) the first such
-        # pointwise op imports torch's Python meta kernels, 2 s of start-up
-        device = torch.empty(0).device
-        a = torch.empty(self.heads, device="cpu").uniform_(1, 16)
-        dt = torch.exp(torch.empty(self.heads, device="cpu").uniform_(math.log(1e-3),
-                                                                       math.log(1e-1)))
-        self.A_log = nn.Parameter(a.log().to(device))
-        self.dt_bias = nn.Parameter((dt + torch.log(-torch.expm1(-dt))).to(device))  # softplus^-1
+        self.A_log, self.dt_bias = mamba_decay_init(self.heads)
         self.D = nn.Parameter(torch.ones(self.heads))
         self.norm_weight = nn.Parameter(torch.ones(self.inner)) if o.gated_norm else None
         self.out_proj = nn.Linear(self.inner, cfg.d_model, bias=o.proj_bias)
