@@ -5,7 +5,8 @@
 ``D`` (and ``K``, its per-key-channel decay): the gated delta rule (:mod:`.deltanet`; with
 ``linear_window``, :mod:`.window_delta`);
 ``M``: multi-head latent attention (:mod:`.mla`); ``S``: Mamba-2 (:mod:`.mamba2`); ``C``:
-LFM2's gated short convolution (:mod:`.short_conv`).
+LFM2's gated short convolution (:mod:`.short_conv`); ``P``: attention and Mamba-2 side by
+side (Falcon-H1's layer, :mod:`.parallel`).
 A new kind is one module that subclasses :class:`Mixer` and registers its letter.
 """
 
@@ -25,9 +26,11 @@ from hyla.model.mixers.linearised.delta import WindowedDeltaMixer, WindowedKDAMi
 from hyla.model.mixers.linearised.gla import WindowedGLAMixer
 from hyla.model.mixers.mamba2 import Mamba2Mixer, Mamba2Options
 from hyla.model.mixers.mla import MLAMixer
+from hyla.model.mixers.parallel import ParallelHybridMixer
 from hyla.model.mixers.short_conv import ShortConvMixer, ShortConvOptions
 
 __all__ = ["MIXERS", "AttentionMixer", "GLAMixer", "GatedDeltaMixer", "KDAMixer", "MLAMixer",
-           "Mamba2Mixer", "Mamba2Options", "Mixer", "ShortConvMixer", "ShortConvOptions",
-           "StateSpec", "TensorSpec", "WindowedDeltaMixer", "WindowedGLAMixer",
-           "WindowedKDAMixer", "layer_specs", "mixer_of_kind", "register_mixer"]
+           "Mamba2Mixer", "Mamba2Options", "Mixer", "ParallelHybridMixer", "ShortConvMixer",
+           "ShortConvOptions", "StateSpec", "TensorSpec", "WindowedDeltaMixer",
+           "WindowedGLAMixer", "WindowedKDAMixer", "layer_specs", "mixer_of_kind",
+           "register_mixer"]

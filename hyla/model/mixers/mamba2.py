@@ -35,7 +35,9 @@ class Mamba2Options:
     ``n_groups`` = mamba_n_groups / n_groups, ``conv_kernel`` = mamba_d_conv / conv_kernel,
     ``proj_bias`` = mamba_proj_bias / use_bias, ``conv_bias`` = mamba_conv_bias /
     use_conv_bias, ``time_step_limit``, ``norm_eps`` (None: ``cfg.norm_eps``),
-    ``gated_norm`` (Falcon-H1's mamba_rms_norm; without it, ``y * silu(z)``).
+    ``gated_norm`` (Falcon-H1's mamba_rms_norm; without it, ``y * silu(z)``),
+    ``norm_before_gate`` (Falcon-H1's mamba_norm_before_gate: ``norm(y) * silu(z)`` instead
+    of ``norm(y * silu(z))``).
 
     Example:
         >>> from hyla.model.config import HylaConfig
@@ -56,6 +58,7 @@ class Mamba2Options:
     time_step_limit: tuple[float, float] = (0.0, math.inf)
     norm_eps: float | None = None
     gated_norm: bool = True
+    norm_before_gate: bool = False
 
     def __post_init__(self):
         for name in ("head_dim", "state_size", "n_groups", "conv_kernel"):
@@ -164,12 +167,17 @@ class Mamba2Mixer(Mixer):
                                     state)[:, None]      # updates ``state`` in place
             ctx.store_fixed(buf["state"], state)
             ctx.store_fixed(buf["conv"], window.to(buf["conv"].dtype))
-        y = y.reshape(B, T, self.inner).to(f) * F.silu(z.to(f))
+        y, gate = y.reshape(B, T, self.inner).to(f), F.silu(z.to(f))
+        late = self.norm_weight is not None and o.norm_before_gate
+        if not late:
+            y = y * gate
         if self.norm_weight is not None:       # RMSNorm over each group of channels
             g = y.view(B, T, o.n_groups, -1)
             eps = self.cfg.norm_eps if o.norm_eps is None else o.norm_eps
             g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
             y = g.view(B, T, self.inner) * self.norm_weight.to(f)
+        if late:
+            y = y * gate
         return self.out_proj(y.to(x.dtype))
 
     def _split(self, xbc: torch.Tensor, dt, A, B: int, T: int):

@@ -3,6 +3,7 @@
 
 from hyla.model.formats.families import (
     bailing_hybrid,  # noqa: F401  (registers the family)
+    falcon_h1,  # noqa: F401  (registers the family)
     granite_hybrid,  # noqa: F401  (registers the family)
     kimi_linear,  # noqa: F401  (registers the family)
     lfm2,  # noqa: F401  (registers the family)

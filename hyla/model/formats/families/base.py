@@ -50,7 +50,11 @@ class Family:
       names; a tensor without a place is refused; multi-token-prediction layers are dropped
       with a logged note;
     - ``from_config(cfg) -> dict``: the family's ``config.json``;
-    - ``from_state(state: dict, cfg) -> dict``: hyla's tensors by the family's names.
+    - ``from_state(state: dict, cfg) -> dict``: hyla's tensors by the family's names;
+    - ``fold(weights: dict, hf: dict, source: str) -> dict`` (optional): a checkpoint's
+      tensors with what its config multiplies into them folded in, before ``to_state``
+      (Falcon-H1's muP multipliers, folded as llama.cpp's converter folds them); export
+      then writes those multipliers as 1.
     """
 
     model_types: tuple[str, ...]
@@ -60,6 +64,7 @@ class Family:
     from_config: Callable[[HylaConfig], dict]
     from_state: Callable[[dict, HylaConfig], dict[str, torch.Tensor]]
     gguf: GgufMapping | None = None
+    fold: Callable[[dict, dict, str], dict[str, torch.Tensor]] | None = None
 
 
 FAMILIES: dict[str, Family] = {}
@@ -72,7 +77,8 @@ def register_family(family: Family) -> Family:
     cannot split, a field of the wrong type) is a ValueError naming the file, never a
     traceback from deep inside a reshape."""
     family = dataclasses.replace(family, to_config=_guarded(family.to_config, "config"),
-                                 to_state=_guarded(family.to_state, "tensors"))
+                                 to_state=_guarded(family.to_state, "tensors"),
+                                 fold=family.fold and _guarded(family.fold, "tensors"))
     for model_type in family.model_types:
         FAMILIES[model_type] = family
     for arch in family.gguf.archs if family.gguf else ():

@@ -51,7 +51,10 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
         kept = {k: text.get(k, hf.get(k)) for k in HF_EXTRAS}
         cfg = dataclasses.replace(cfg, hf_extras={k: v for k, v in kept.items()
                                                   if v is not None})
-        state = family.to_state(read_safetensors(root, dtype), cfg, str(root / "model.safetensors"))
+        weights, where = read_safetensors(root, dtype), str(root / "model.safetensors")
+        if family.fold is not None:
+            weights = family.fold(weights, hf, where)
+        state = family.to_state(weights, cfg, where)
     else:
         cfg = hf_config_to_hyla(hf, source)
         state = hf_state_to_hyla(read_safetensors(root, dtype), cfg,
