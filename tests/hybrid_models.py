@@ -1,5 +1,5 @@
 """Tiny random transformers checkpoints of the hybrid families llama.cpp converts (LFM2,
-Granite 4.0-H dense and MoE, Nemotron-H, Qwen3.5, Qwen3-Next with experts; every norm, bias,
+Granite 4.0-H dense and MoE, Nemotron-H, Falcon-H1, Qwen3.5, Qwen3-Next with experts; every norm, bias,
 A_log, D and dt_bias randomised), saved as llama.cpp's ``convert_hf_to_gguf.py`` wants them:
 for the GGUF tests and for ``benchmarks/llamacpp_greedy.py``.
 
@@ -69,6 +69,21 @@ def nemotron():
         mamba_head_dim=16, ssm_state_size=16, n_groups=2, layer_norm_epsilon=1e-5))
 
 
+def falcon_h1():
+    """The gated norm after the gate and no time-step limit, as llama.cpp computes the
+    layer; muP multipliers away from 1 (the converter folds them into the weights)."""
+    return reference("falcon_h1").FalconH1ForCausalLM(transformers.FalconH1Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_d_ssm=64,
+        mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2,
+        mamba_d_conv=4, mamba_rms_norm=True, mamba_norm_before_gate=False,
+        rms_norm_eps=1e-5, embedding_multiplier=2.0, lm_head_multiplier=0.5,
+        attention_in_multiplier=0.7, attention_out_multiplier=1.3, key_multiplier=0.6,
+        ssm_in_multiplier=1.4, ssm_out_multiplier=0.8,
+        ssm_multipliers=[0.5, 1.5, 0.7, 1.2, 0.9], mlp_multipliers=[0.8, 1.25],
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0}))
+
+
 def nvidia_config(d: pathlib.Path) -> None:
     """config.json as NVIDIA ships Nemotron-H (a pattern string, no MoE fields). Its
     model_type renamed so that the converter reads the file as it is: through transformers'
@@ -106,7 +121,8 @@ MODELS = {"lfm2": lfm2, "granite-dense": lambda: granite(0), "granite-moe": lamb
           "qwen3-next": lambda: qwen("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
                                      num_experts=4, num_experts_per_tok=2,
                                      moe_intermediate_size=24, decoder_sparse_step=1,
-                                     shared_expert_intermediate_size=32)}
+                                     shared_expert_intermediate_size=32),
+          "falcon-h1": falcon_h1}
 
 
 def source_dir(name: str, d: pathlib.Path, seed: int):

@@ -91,6 +91,11 @@ FAMILIES = {   # name: (modeling module, model class, config class, config kwarg
         num_key_value_heads=2, head_dim=16, layer_norm_epsilon=1e-5, mamba_num_heads=8,
         mamba_head_dim=16, ssm_state_size=16, n_groups=2, time_step_min=0.01,
         layers_block_type=["mamba", "mlp", "mamba", "attention", "mlp"])),
+    "falcon_h1": ("falcon_h1", "FalconH1ForCausalLM", "FalconH1Config", dict(
+        num_key_value_heads=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+        mamba_d_state=16, mamba_n_groups=2, mamba_rms_norm=True, embedding_multiplier=2.0,
+        key_multiplier=0.6, ssm_multipliers=[0.5, 1.5, 0.7, 1.2, 0.9],
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
     "olmo_hybrid": ("olmo_hybrid", "OlmoHybridForCausalLM", "OlmoHybridConfig", dict(
         num_key_value_heads=2, attention_bias=True, layer_types=LIN, linear_num_key_heads=2,
         linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=24,
@@ -225,7 +230,7 @@ def test_generate_ppl_export_memory(capsys, tmp_path, family_dirs, hf_tok, famil
 
 
 @pytest.mark.parametrize("family", ["kimi_linear", "mimo_v2_flash", "lfm2",
-                                    "granitemoehybrid", "nemotron_h"])
+                                    "granitemoehybrid", "nemotron_h", "falcon_h1"])
 def test_needle_and_simulate(capsys, tmp_path, family_dirs, family):
     """The other commands that take a model: passkey retrieval (MLA / window caches over
     a 256-token context) and the PrfaaS simulation sized from the directory's config."""

@@ -1,8 +1,8 @@
 """Hybrid GGUFs as llama.cpp writes them: the tiny random models of ``hybrid_models``
-(LFM2, Granite 4.0-H dense and MoE, Nemotron-H, Qwen3.5, Qwen3-Next with experts) converted
-by llama.cpp's own ``convert_hf_to_gguf.py``, then read by hyla: logits equal to transformers'
-on the source directory, the tokenizer equal to the source's, the file's quantisation kept,
-and files whose metadata lies refused before any weight is read."""
+(LFM2, Granite 4.0-H dense and MoE, Nemotron-H, Falcon-H1, Qwen3.5, Qwen3-Next with
+experts) converted by llama.cpp's own ``convert_hf_to_gguf.py``, then read by hyla: logits
+equal to transformers' on the source directory, the tokenizer equal to the source's, the
+file's quantisation kept, and files whose metadata lies refused before any weight is read."""
 
 from __future__ import annotations
 
