@@ -105,6 +105,11 @@ def _lying_copy(path: pathlib.Path, out: pathlib.Path, **changes) -> pathlib.Pat
      "MLP with no Mamba or attention block before it"),
     ("nemotron-h", {"nemotron_h.ssm.conv_kernel": 1000000}, "conv_kernel must be at most 64"),
     ("nemotron-h", {"nemotron_h.ssm.state_size": 8}, "shape"),
+    ("falcon-h1", {"falcon-h1.ssm.conv_kernel": 0}, "conv_kernel must be >= 1"),
+    ("falcon-h1", {"falcon-h1.ssm.time_step_rank": 5}, "time_step_rank"),
+    ("falcon-h1", {"falcon-h1.ssm.group_count": 3}, "multiple of n_groups=3"),
+    ("falcon-h1", {"falcon-h1.attention.head_count": 3}, "n_kv_heads must divide n_heads=3"),
+    ("falcon-h1", {"falcon-h1.ssm.state_size": 8}, "shape"),
 ])
 def test_lying_metadata_is_refused_naming_it(files, tmp_path, name, changes, needle):
     path = _lying_copy(files[name][2], tmp_path / "liar.gguf", **changes)
