@@ -39,6 +39,16 @@ class RMSNorm(nn.Module):
         return (xf * (1.0 + w if self.zero_centred else w)).to(x.dtype)
 
 
+def norm_weight(weight: torch.Tensor, source: nn.Module, target: nn.Module) -> torch.Tensor:
+    """``source``'s norm ``weight`` as ``target`` stores it (plain or zero-centred): the
+    same scale. Example:
+        >>> norm_weight(torch.tensor([1.5]), RMSNorm(1), RMSNorm(1, zero_centred=True))
+        tensor([0.5000])
+    """
+    scale = weight + 1 if getattr(source, "zero_centred", False) else weight
+    return scale - 1 if getattr(target, "zero_centred", False) else scale
+
+
 class SwiGLU(nn.Module):
     """Gated MLP: down(silu(gate(x)) * up(x)); [..., d_model] -> [..., d_model]."""
 

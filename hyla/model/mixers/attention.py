@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyla.model.layers import RMSNorm, rotate, shared_rotary_tables
+from hyla.model.layers import RMSNorm, norm_weight, rotate, shared_rotary_tables
 from hyla.model.mixers.base import Mixer, StateSpec, TensorSpec, merge_kv_heads, register_mixer
 from hyla.ops.attention import (
     attention,
@@ -172,13 +172,46 @@ class AttentionMixer(Mixer):
         teacher KV head ``h // (H / H_kv)``, which falls in group ``h // (H / H_s)``, so every
         query keeps reading a merge of the head it used to read. Rotary is linear and the
         same for every head, so the merged rotated key is the rotated merged key (biases
-        merge the same way; q/k norms are per head dim, shared by all heads)."""
+        merge the same way; q/k norms are per head dim, shared by all heads).
+
+        What a shipped layout adds (Qwen3.5's, :func:`hyla.train.distill.student`) starts
+        where it changes nothing or least: an output gate whose rows are zero (every output
+        halved by ``sigmoid(0)``, so ``o_proj`` is doubled: exact); q/k norms the teacher
+        lacks at unit scale, until :meth:`calibrate` sets them from the teacher's queries
+        and keys; norm weights converted between plain and zero-centred storage."""
         heads, new = teacher.cfg.n_kv_heads, self.cfg.n_kv_heads
+        gated = self.opts.output_gate and not teacher.opts.output_gate
+        self.fresh_qk_norm = self.cfg.qk_norm and not teacher.cfg.qk_norm
         for name, tensor in teacher.state_dict().items():
             if name.startswith(("k_proj.", "v_proj.")) and heads != new:
                 flat = tensor[:, None] if tensor.dim() == 1 else tensor
                 tensor = merge_kv_heads(flat, heads, new).reshape(-1, *tensor.shape[1:])
+            if gated and name.startswith("q_proj."):     # per head: [query, gate]
+                q = tensor.reshape(self.cfg.n_heads, self.cfg.head_dim, *tensor.shape[1:])
+                tensor = torch.cat([q, torch.zeros_like(q)], dim=1).reshape(
+                    -1, *tensor.shape[1:])
+            if gated and name == "o_proj.weight":
+                tensor = 2 * tensor
+            if name.endswith("_norm.weight"):
+                tensor = norm_weight(tensor, teacher.get_submodule(name[:-7]),
+                                     self.get_submodule(name[:-7]))
             self.get_parameter(name).copy_(tensor)
+
+    @torch.no_grad()
+    def calibrate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> dict:
+        """q/k norms this layer has and its teacher had not: scaled to the teacher's mean
+        query and key norms (q [B, T, H, D], k [B, T, H_kv, D], its rotated queries and
+        keys: rotation keeps each head's norm), so attention's logits start near the
+        teacher's. Returns the scales; nothing for a layer without such norms."""
+        if not getattr(self, "fresh_qk_norm", False):
+            return {}
+        found = {}
+        for name, x in (("q_norm", q), ("k_norm", k)):
+            scale = x.float().pow(2).mean(-1).sqrt().mean()
+            norm = getattr(self, name)
+            norm.weight.fill_(float(scale) - 1.0 if norm.zero_centred else float(scale))
+            found[name] = float(scale)
+        return found
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor, lengths=None,
                  memo: dict | None = None):

@@ -150,7 +150,8 @@ class Distiller:
             with self._phase("layer_ranking"):
                 self.layers = self._choose_layers()
         self.model = build_student(self.teacher, self.layers, cfg.student_kv_heads,
-                                   window=cfg.window, sinks=cfg.sinks)
+                                   window=cfg.window, sinks=cfg.sinks,
+                                   layout=self.recipe.layout)
         self.model.activation_checkpointing = cfg.activation_checkpointing
         self.transfer = transfer_layers(self.teacher.cfg, self.model.cfg)
         self.stage1_steps = cfg.stage1_steps if self.transfer else 0  # nothing to transfer

@@ -42,6 +42,9 @@ class Recipe:
     seq_len: int = 1024
     batch_size: int = 1
     warmup_steps: int = 5
+    # the shipped layout (a transformers model_type with a Family.layout) the student takes,
+    # so that it exports as that family; None: hyla's own layers
+    layout: str | None = None
 
     def attention_layers(self, n_layers: int) -> int:
         """How many of ``n_layers`` stay softmax attention under ``--layers auto``: the
@@ -75,6 +78,12 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe(name="window-kda",
            summary="as window-gla, with linearised Kimi delta attention (K) layers",
            linear="K"),
+    Recipe(name="qwen3.5",
+           summary="Qwen3.5's text layout, which transformers, llama.cpp and vLLM run: a "
+                   "quarter of the layers gated softmax attention with q/k norms (chosen by "
+                   "the teacher), the rest Gated DeltaNet with its short convolution; no "
+                   "window or sinks (the layout has none); LoRA 8 in stage 2",
+           linear="D", window=0, layout="qwen3_5_text"),
 )}
 
 

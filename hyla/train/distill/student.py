@@ -20,15 +20,18 @@ import dataclasses
 import torch
 
 from hyla.model import HylaConfig, HylaLM
+from hyla.model.layers import norm_weight
 from hyla.model.mixers import MIXERS, AttentionMixer
 
 
 def student_config(teacher: HylaConfig, layers: str, kv_heads: int | None = None, *,
-                   window: int = 0, sinks: int = 4) -> HylaConfig:
+                   window: int = 0, sinks: int = 4, layout: str | None = None) -> HylaConfig:
     """The student's config: the teacher's shape with ``layers`` and ``kv_heads``; with
     ``window`` its ``G``, ``D`` and ``K`` layers are linearised attention keeping the last
     ``window`` and first ``sinks`` tokens exactly (``linear_window``, ``window_sinks``) beside
-    a GLA (``G``) or gated-delta-rule (``D``, ``K``) branch.
+    a GLA (``G``) or gated-delta-rule (``D``, ``K``) branch. ``layout``: a transformers
+    ``model_type`` whose family lays the student out (its options, norms; it exports as that
+    family), e.g. ``qwen3_5_text``.
 
     Raises ValueError naming ``--layers`` or ``--student-kv-heads`` when they do not fit.
 
@@ -52,16 +55,25 @@ def student_config(teacher: HylaConfig, layers: str, kv_heads: int | None = None
     if not isinstance(kv_heads, int) or kv_heads <= 0 or t_kv % kv_heads:
         raise ValueError(f"--student-kv-heads must divide the teacher's {t_kv} KV heads, "
                          f"got {kv_heads!r}")
-    return dataclasses.replace(teacher, layers=layers, n_kv_heads=kv_heads, expand_k=1.0,
-                               expand_v=1.0, linear_window=window,
-                               window_sinks=sinks if window else teacher.window_sinks)
+    cfg = dataclasses.replace(teacher, layers=layers, n_kv_heads=kv_heads, expand_k=1.0,
+                              expand_v=1.0, linear_window=window,
+                              window_sinks=sinks if window else teacher.window_sinks)
+    if layout is None:
+        return cfg
+    from hyla.model.formats.families import FAMILIES
+
+    family = FAMILIES.get(layout)
+    if family is None or family.layout is None:
+        known = sorted(k for k, f in FAMILIES.items() if f.layout is not None)
+        raise ValueError(f"no student layout {layout!r}: the families with one are {known}")
+    return family.layout(cfg)
 
 
 @torch.no_grad()
 def build_student(teacher: HylaLM, layers: str, kv_heads: int | None = None, *,
-                  window: int = 0, sinks: int = 4) -> HylaLM:
+                  window: int = 0, sinks: int = 4, layout: str | None = None) -> HylaLM:
     """A student for ``teacher`` (all-attention) with the layer mix ``layers`` (``window``,
-    ``sinks``: see :func:`student_config`).
+    ``sinks``, ``layout``: see :func:`student_config`).
 
     Example:
         >>> from hyla.model import preset
@@ -71,20 +83,26 @@ def build_student(teacher: HylaLM, layers: str, kv_heads: int | None = None, *,
         >>> torch.equal(s(ids), t(ids))
         True
     """
-    cfg = student_config(teacher.cfg, layers, kv_heads, window=window, sinks=sinks)
+    cfg = student_config(teacher.cfg, layers, kv_heads, window=window, sinks=sinks,
+                         layout=layout)
     p = next(teacher.parameters())
     student = HylaLM(cfg).to(device=p.device, dtype=p.dtype)
     student.embed.weight.copy_(teacher.embed.weight)
-    student.norm.weight.copy_(teacher.norm.weight)
+    _copy_norm(teacher.norm, student.norm)
     if not cfg.tie_embeddings:
         student.lm_head.weight.copy_(teacher.lm_head.weight)
     for t_block, s_block in zip(teacher.blocks, student.blocks, strict=True):
-        s_block.mixer_norm.load_state_dict(t_block.mixer_norm.state_dict())
+        _copy_norm(t_block.mixer_norm, s_block.mixer_norm)
         if t_block.mlp_norm is not None:       # an FFN half (ffn letter "N" has none)
-            s_block.mlp_norm.load_state_dict(t_block.mlp_norm.state_dict())
+            _copy_norm(t_block.mlp_norm, s_block.mlp_norm)
         s_block.mlp.load_state_dict(t_block.mlp.state_dict())
         s_block.mixer.init_from_attention(t_block.mixer)
     return student
+
+
+def _copy_norm(source, target) -> None:
+    """The teacher's norm scale into the student's, whichever way each stores it."""
+    target.weight.copy_(norm_weight(source.weight, source, target))
 
 
 def transfer_layers(teacher_cfg: HylaConfig, student_cfg: HylaConfig) -> list[int]:

@@ -54,7 +54,11 @@ class Family:
     - ``fold(weights: dict, hf: dict, source: str) -> dict`` (optional): a checkpoint's
       tensors with what its config multiplies into them folded in, before ``to_state``
       (Falcon-H1's muP multipliers, folded as llama.cpp's converter folds them); export
-      then writes those multipliers as 1.
+      then writes those multipliers as 1;
+    - ``layout(cfg) -> HylaConfig`` (optional): ``cfg`` (a hybrid of ``A`` layers and the
+      family's linear letter, with any model's shapes) given the family's layer options,
+      norms and name, so that it exports as the family: what ``hyla distill --recipe``
+      builds a student in a shipped layout as.
     """
 
     model_types: tuple[str, ...]
@@ -65,6 +69,7 @@ class Family:
     from_state: Callable[[dict, HylaConfig], dict[str, torch.Tensor]]
     gguf: GgufMapping | None = None
     fold: Callable[[dict, dict, str], dict[str, torch.Tensor]] | None = None
+    layout: Callable[[HylaConfig], HylaConfig] | None = None
 
 
 FAMILIES: dict[str, Family] = {}

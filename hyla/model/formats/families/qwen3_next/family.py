@@ -20,6 +20,7 @@ is dropped with a logged warning, and the model exports as the text-only family
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from hyla.model.config import HylaConfig
@@ -207,8 +208,32 @@ def _check_exportable(cfg: HylaConfig, attn, delta, letters: str) -> None:
                              f"{need!r}")
 
 
+def student_layout(cfg: HylaConfig) -> HylaConfig:
+    """``cfg`` (``A`` and ``D`` layers) in Qwen3.5's text layout: zero-centred norms, q/k
+    norms per head, attention with an output gate (rotary over as much of each head as
+    ``cfg`` rotates: a teacher's whole head), Gated DeltaNet with the default options
+    (key and value heads of one count and size, as llama.cpp needs), no window.
+
+    Example:
+        >>> from hyla.model import preset
+        >>> import dataclasses
+        >>> s = student_layout(dataclasses.replace(preset("debug"), layers="DDDA"))
+        >>> s.family, s.qk_norm, s.norm_zero_centred, s.mixer_options["attention"]
+        ('qwen3_5_text', True, True, {'output_gate': True, 'partial_rotary_factor': 1.0})
+    """
+    if set(cfg.layers) - {"A", "D"} or cfg.linear_window or cfg.sliding_window is not None:
+        raise ValueError(f"the Qwen3.5 layout holds 'A' and 'D' layers without windows, got "
+                         f"layers {cfg.layers!r}, linear_window {cfg.linear_window}, "
+                         f"sliding_window {cfg.sliding_window}")
+    attn = {"output_gate": True,
+            "partial_rotary_factor": AttentionMixer.options(cfg).partial_rotary_factor}
+    return dataclasses.replace(cfg, qk_norm=True, norm_zero_centred=True,
+                               mixer_options={"attention": attn}, family="qwen3_5_text")
+
+
 _GGUF = GgufMapping(tuple(MODEL_TYPES), gguf_config, gguf_tensors)
 for _kind in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"):
     register_family(Family((_kind,), ARCHITECTURES[NESTED.get(_kind, _kind)], to_config,
                            to_state, from_config, from_state,
-                           _GGUF if _kind in MODEL_TYPES.values() else None))
+                           _GGUF if _kind in MODEL_TYPES.values() else None,
+                           layout=student_layout if _kind == "qwen3_5_text" else None))

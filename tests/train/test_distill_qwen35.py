@@ -1,0 +1,93 @@
+"""``hyla distill --recipe qwen3.5``: a student in Qwen3.5's text layout, which exports to a
+directory transformers' own Qwen3.5 code runs with hyla's logits; what the layout adds to
+the teacher's attention starts where it changes least (an output gate that changes
+nothing, norms of the same scale, q/k norms at the teacher's query and key sizes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from hf_reference import reference
+
+from hyla.cli import main
+from hyla.model import Context, HylaLM, load_model, preset
+from hyla.model.formats.checkpoint import save_checkpoint
+from hyla.model.mixers import AttentionMixer
+from hyla.train.distill.student import build_student
+from hyla.train.distill.teacher_hooks import mixer_inputs
+
+transformers = pytest.importorskip("transformers")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture
+def teacher():
+    torch.manual_seed(0)
+    return HylaLM(dataclasses.replace(preset("debug"), layers="AAAA", n_kv_heads=2)).eval()
+
+
+def test_an_output_gate_starts_as_the_identity(teacher):
+    t = teacher.blocks[0].mixer
+    cfg = dataclasses.replace(teacher.cfg, mixer_options={"attention": {"output_gate": True}})
+    gated = AttentionMixer(cfg).eval()
+    gated.init_from_attention(t)
+    ids = torch.randint(0, 256, (2, 11))
+    x = torch.randn(2, 11, cfg.d_model)
+    with torch.no_grad():
+        assert torch.allclose(gated(x, Context.train(ids)), t(x, Context.train(ids)),
+                              atol=1e-6)
+
+
+def test_the_layout_keeps_the_teachers_scales(teacher):
+    student = build_student(teacher, "DADA", layout="qwen3_5_text").eval()
+    c = student.cfg
+    assert (c.family, c.qk_norm, c.norm_zero_centred) == ("qwen3_5_text", True, True)
+    x = torch.randn(3, c.d_model)
+    with torch.no_grad():
+        assert torch.allclose(student.norm(x), teacher.norm(x), atol=1e-6)
+        assert torch.allclose(student.blocks[1].mixer_norm(x), teacher.blocks[1].mixer_norm(x),
+                              atol=1e-6)
+    # q/k norms the teacher lacks: calibrated to its queries' and keys' sizes, attention's
+    # output moves closer to the teacher's than at unit scale
+    ids = torch.randint(0, 256, (1, 32))
+    ctx = Context.train(ids)
+    seen = mixer_inputs(teacher, ids, ctx)
+    layer, t_layer = student.blocks[1].mixer, teacher.blocks[1].mixer
+    with torch.no_grad():
+        want = t_layer(seen[1], ctx)
+        before = rel(layer(seen[1], ctx), want)
+        found = layer.calibrate(*t_layer.attention_qk(seen[1], ctx), ctx.positions)
+        after = rel(layer(seen[1], ctx), want)
+    assert set(found) == {"q_norm", "k_norm"} and after < before
+
+
+def test_bad_layouts_are_named(teacher):
+    with pytest.raises(ValueError, match="no student layout 'llama'"):
+        build_student(teacher, "DADA", layout="llama")
+    with pytest.raises(ValueError, match="Qwen3.5 layout holds 'A' and 'D' layers"):
+        build_student(teacher, "GAGA", layout="qwen3_5_text")
+
+
+def test_distilled_student_exports_as_qwen35_that_transformers_runs(teacher, tmp_path, capsys):
+    save_checkpoint(teacher, tmp_path / "teacher")
+    run, out = tmp_path / "run", tmp_path / "hf"
+    assert main(["distill", "--teacher", str(tmp_path / "teacher"), "--recipe", "qwen3.5",
+                 "--out", str(run), "--seq-len", "48", "--stage1-steps", "1",
+                 "--stage2-steps", "1", "--eval-batches", "1", "--report-tokens", "0",
+                 "--no-progress"]) == 0
+    assert "recipe qwen3.5" in " ".join(capsys.readouterr().out.split())
+    assert main(["export", str(run), str(out), "--format", "transformers"]) == 0
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["model_type"] == "qwen3_5_text" and hf["layer_types"].count("full_attention") == 1
+    reference("qwen3_5")              # transformers' torch path (no fla kernels on a CPU)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours, _ = load_model(run)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert rel(theirs(ids).logits, ours(ids)) < 1e-4
