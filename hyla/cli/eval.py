@@ -86,6 +86,17 @@ def add_eval(sub) -> argparse.ArgumentParser:
     add_quantize(p)
     p.set_defaults(func=cmd_needle)
 
+    p = evals.add_parser("generate", help="what a model writes, greedily: Python functions "
+                                          "run against tests, notes recalled, short answers")
+    p.add_argument("--checkpoint", required=True, help=SOURCE_HELP)
+    p.add_argument("--kinds", default="python,recall,qa",
+                   help="comma-separated item kinds (default: %(default)s)")
+    p.add_argument("--limit", type=int, default=None, help="items a kind (default: all)")
+    p.add_argument("--out", default=None, help="file for the JSON results (default: none)")
+    add_allow_nonfinite(p)
+    add_quantize(p)
+    p.set_defaults(func=cmd_generate)
+
     p = evals.add_parser("ppl", help="validation perplexity of a checkpoint")
     p.add_argument("--checkpoint", required=True, help=SOURCE_HELP)
     p.add_argument("--data", default=None, help="text source (default: stdlib validation split)")
@@ -240,6 +251,35 @@ def cmd_needle(args: argparse.Namespace, out: Console) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace, out: Console) -> int:
+    from hyla.eval.generation import KINDS, generation_eval
+    from hyla.model.load import load_model as load_source
+    from hyla.model.load import require_tokenizer
+
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    if not kinds or set(kinds) - set(KINDS):        # named before any model is loaded
+        raise ValueError(f"--kinds {args.kinds!r}: choose from {', '.join(KINDS)}")
+    model, tok = load_source(args.checkpoint)
+    require_tokenizer(tok, args.checkpoint, f"hyla eval {args.eval_command}")
+    apply_quantize(model, args, out)
+    r = generation_eval(model, tok, kinds=kinds, limit=args.limit)
+    table = Table(title=f"greedy generation, {r['items']} items ({r['seconds']:.0f} s)")
+    table.add_column("kind")
+    table.add_column("right", justify="right")
+    for kind, share in r["by_kind"].items():
+        table.add_row(kind, f"{share:.2f}")
+    table.add_row("all", f"{r['score']:.2f}")
+    out.print(table)
+    if args.out:
+        path = pathlib.Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(r, indent=1) + "\n")
+        out.print(f"wrote {path}")
+    return 0
+
+
 def cmd_ppl(args: argparse.Namespace, out: Console) -> int:
     from hyla.eval.perplexity import perplexity
     from hyla.model.load import load_model as load_source
@@ -323,6 +363,9 @@ def add_compare(evals) -> None:
                         "(default: off, 2 passkeys a length)")
     p.add_argument("--data", default=None,
                    help="held-out text for perplexity (default: the stdlib validation split)")
+    p.add_argument("--generation", action="store_true",
+                   help="also score what both write greedily: Python functions run against "
+                        "tests, notes recalled, short answers (hyla eval generate)")
     p.add_argument("--out", default="compare_results",
                    help="folder for compare.json and the recall plots (default: %(default)s)")
     p.add_argument("--threads", type=positive, default=None,
@@ -384,6 +427,9 @@ def compare_rows(r: dict) -> list[dict]:
     for k in r["recall"]:
         rows.append(row(f"recall at {k['num_kv_pairs']} pairs ({k['queries']} questions)",
                         k["teacher"], k["student"], k["ratio"]))
+    for k in r.get("generation", []):
+        rows.append(row(f"generation, {k['kind']} ({k['items']} items, greedy)",
+                        k["teacher"], k["student"], k["ratio"]))
     return rows
 
 
@@ -404,6 +450,7 @@ def cmd_compare(args: argparse.Namespace, out: Console) -> int:
                                include_path=args.include_path, limit=args.limit,
                                recall_pairs=pairs, recall_limit=args.recall_limit,
                                ppl_tokens=args.ppl_tokens, full=args.full, data=args.data,
+                               generation=args.generation,
                                progress=lambda line: out.print(line))
         except (RuntimeError, FileNotFoundError) as e:  # no network, a missing data file
             raise ValueError(f"{e} (a task's data_files are relative to the current "

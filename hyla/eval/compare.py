@@ -91,6 +91,7 @@ def compare_models(teacher_src, student_src, *, tasks: Sequence[str] = (),
                    include_path: str | None = None, limit: int | None = None,
                    recall_pairs: Sequence[int] | None = None, recall_limit: int = 16,
                    ppl_tokens: int = 4096, full: bool = False, data=None,
+                   generation: bool = False,
                    progress: Callable[[str], None] | None = None) -> dict:
     """Teacher and student side by side; writes nothing.
 
@@ -99,7 +100,8 @@ def compare_models(teacher_src, student_src, *, tasks: Sequence[str] = (),
     tokens on ``data`` (``ppl_tokens`` tokens; default text: the stdlib validation split)
     and passkey retrieval (2 trials a length; 8 and 16K tokens with ``full``), accuracy on
     ``tasks`` (``limit`` documents each), and the recall-by-load curve at ``recall_pairs``
-    (``recall_limit`` questions a load, growing context) when given.
+    (``recall_limit`` questions a load, growing context) when given; with ``generation``,
+    what each writes greedily (:func:`hyla.eval.generation.generation_eval`).
 
     Returns ``{"teacher": {...}, "student": {...}, "perplexity_ratio": {len: s/t},
     "skills": [{"task", "metric", "teacher", "student", "ratio"}], "recall":
@@ -152,6 +154,14 @@ def compare_models(teacher_src, student_src, *, tasks: Sequence[str] = (),
             seconds[f"{label}_recall"] = time.perf_counter() - t0
             say(f"{label}: recall at {len(recall_pairs)} load(s) in "
                 f"{seconds[f'{label}_recall']:.1f} s")
+        if generation:
+            from hyla.eval.generation import generation_eval
+
+            t0 = time.perf_counter()
+            side["generation"] = generation_eval(model, tok)
+            seconds[f"{label}_generation"] = time.perf_counter() - t0
+            say(f"{label}: {side['generation']['items']} generated answers in "
+                f"{seconds[f'{label}_generation']:.1f} s")
         sides[label] = side
         del model
     teacher, student = sides["teacher"], sides["student"]
@@ -169,7 +179,16 @@ def compare_models(teacher_src, student_src, *, tasks: Sequence[str] = (),
         recall.append({"num_kv_pairs": t["num_kv_pairs"], "teacher": t["accuracy"],
                        "student": s["accuracy"], "ratio": _ratio(s["accuracy"], t["accuracy"]),
                        "queries": t["queries"]})
+    made = []
+    if generation:
+        t, s = teacher["generation"], student["generation"]
+        for kind in ("all", *t["by_kind"]):
+            a = t["score"] if kind == "all" else t["by_kind"][kind]
+            b = s["score"] if kind == "all" else s["by_kind"][kind]
+            made.append({"kind": kind, "teacher": a, "student": b, "ratio": _ratio(b, a),
+                         "items": t["items"] if kind == "all" else sum(
+                             r["kind"] == kind for r in t["results"])})
     return {"teacher": teacher, "student": student, "perplexity_ratio": ppl,
-            "skills": skills, "recall": recall, "tasks": tasks, "limit": limit,
+            "skills": skills, "recall": recall, "generation": made, "tasks": tasks, "limit": limit,
             "include_path": include_path, "full": full, "ppl_tokens": ppl_tokens,
             "seconds": {k: round(v, 1) for k, v in seconds.items()}}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hyla.model.model import HylaLM
@@ -10,13 +12,15 @@ from hyla.model.sampler import sample_token
 
 def generate(model: HylaLM, prompt_ids: list[int], max_new_tokens: int, *,
              temperature: float = 1.0, top_k: int | None = None, seed: int | None = None,
-             stop_ids: tuple[int, ...] | list[int] = ()) -> list[int]:
+             stop_ids: tuple[int, ...] | list[int] = (),
+             until: Callable[[list[int]], bool] | None = None) -> list[int]:
     """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens.
 
     ``temperature == 0`` is greedy; otherwise tokens are sampled from softmax(logits /
     temperature), restricted to the ``top_k`` most likely when given: the serving engine's
     sampler (:func:`hyla.model.sampler.sample_token`). ``seed`` makes sampling
-    reproducible. Generation stops early at the first token in ``stop_ids``.
+    reproducible. Generation stops early at the first token in ``stop_ids``, or once
+    ``until(new tokens so far)`` is true (a stop string, a finished function).
 
     Returns:
         the new tokens only (not the prompt), without the stop token.
@@ -50,7 +54,7 @@ def generate(model: HylaLM, prompt_ids: list[int], max_new_tokens: int, *,
         if token in stop:
             break
         out.append(token)
-        if len(out) == max_new_tokens:
+        if len(out) == max_new_tokens or until is not None and until(out):
             break
         logits = model.decode(torch.tensor([token], device=device), [state])[0]
     return out

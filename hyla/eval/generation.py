@@ -1,0 +1,116 @@
+"""Judge a model by what it writes: greedy answers to held-out prompts, scored against
+references (:mod:`hyla.eval.generation_items`).
+
+Likelihood measures (perplexity, multiple choice) flatter linearised students: a model can
+rank the right answer first yet lose its way over a long answer or a format. Here every item
+is generated greedily and scored on the text: Python bodies by running their tests
+(pass@1, :func:`hyla.eval.sandbox.run_python`), notes and questions by containing the
+reference on the answer's first line. ``hyla eval generate`` scores one model;
+``hyla eval compare --generation`` puts teacher and student side by side.
+
+Example:
+    >>> from hyla.data import ByteTokenizer
+    >>> from hyla.model import HylaLM, preset
+    >>> r = generation_eval(HylaLM(preset("debug")).eval(), ByteTokenizer(),
+    ...                     kinds=("qa",), limit=2, max_new_tokens=4)
+    >>> r["items"], sorted(r["by_kind"]), 0 <= r["score"] <= 1
+    (2, ['qa'], True)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from hyla.eval import generation_items as items
+from hyla.eval.sandbox import Limits, run_python
+
+KINDS = ("python", "recall", "qa")
+MAX_NEW_TOKENS = {"python": 160, "recall": 24, "qa": 16}
+
+
+def function_body(text: str) -> str:
+    """The completion up to the end of the function it continues: the first non-empty line
+    that is not indented ends it.
+
+    Example:
+        >>> function_body("    return a + b\\n\\nprint(add(1, 2))\\n")
+        '    return a + b\\n\\n'
+    """
+    kept = []
+    for line in text.splitlines(keepends=True):
+        if line.strip() and not line[0].isspace():
+            break
+        kept.append(line)
+    return "".join(kept)
+
+
+def first_line(text: str) -> str:
+    return text.strip().split("\n", 1)[0].strip()
+
+
+def _cases(kinds: Sequence[str]) -> list[dict]:
+    out = []
+    for name, prompt, tests in items.PYTHON if "python" in kinds else ():
+        out.append({"id": f"python/{name}", "kind": "python", "prompt": prompt,
+                    "tests": tests})
+    for name, note, question, refs in items.RECALL if "recall" in kinds else ():
+        out.append({"id": f"recall/{name}", "kind": "recall", "refs": refs, "case": False,
+                    "prompt": f"{items.RECALL_SHOTS}Note: {note}\nQ: {question}\nA:"})
+    for name, question, refs, case in items.QA if "qa" in kinds else ():
+        out.append({"id": f"qa/{name}", "kind": "qa", "refs": refs, "case": case,
+                    "prompt": f"{items.QA_SHOTS}Q: {question}\nA:"})
+    return out
+
+
+def score(case: dict, text: str, limits: Limits | None = None) -> tuple[bool, str]:
+    """(whether ``text``, the model's continuation of ``case``'s prompt, is right; a note:
+    the test run's output for Python, else the answer line)."""
+    if case["kind"] == "python":
+        program = case["prompt"] + function_body(text) + "\n\n" + case["tests"] + "\n"
+        return run_python(program, limits or Limits())
+    answer = first_line(text)
+    if case["case"]:
+        return any(r in answer for r in case["refs"]), answer
+    return any(r.lower() in answer.lower() for r in case["refs"]), answer
+
+
+def generation_eval(model, tokenizer, *, kinds: Sequence[str] = KINDS,
+                    limit: int | None = None, max_new_tokens: int | None = None,
+                    progress: Callable[[str], None] | None = None) -> dict:
+    """Greedy answers of ``model`` to the items of ``kinds`` (``limit`` a kind), scored.
+
+    Returns ``{"score": share right over all items, "by_kind": {kind: share}, "items": n,
+    "seconds": s, "results": [{"id", "kind", "ok", "output", "note"}]}``.
+    ValueError naming an unknown kind.
+    """
+    from hyla.model.generate import generate
+
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"--kinds: {unknown or 'none'} given: choose from {', '.join(KINDS)}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {limit}")
+    cases = _cases(kinds)
+    if limit is not None:
+        cases = [c for k in kinds for c in [c for c in cases if c["kind"] == k][:limit]]
+    began, results = time.perf_counter(), []
+    for case in cases:
+        prompt = tokenizer.encode(case["prompt"])
+        n = max_new_tokens or MAX_NEW_TOKENS[case["kind"]]
+
+        def done(new: list[int], kind=case["kind"]) -> bool:
+            text = tokenizer.decode(new)
+            if kind == "python":     # the function ended: an unindented line began
+                return function_body(text) != text.rstrip(" ") and "\n" in text
+            return "\n" in text.lstrip()
+        text = tokenizer.decode(generate(model, prompt, n, temperature=0.0, until=done))
+        ok, note = score(case, text)
+        results.append({"id": case["id"], "kind": case["kind"], "ok": ok, "output": text,
+                        "note": note[:300]})
+        if progress:
+            progress(f"{case['id']}: {'right' if ok else 'wrong'}")
+    by_kind = {k: sum(r["ok"] for r in results if r["kind"] == k)
+               / max(1, sum(r["kind"] == k for r in results)) for k in kinds}
+    return {"score": sum(r["ok"] for r in results) / max(1, len(results)), "by_kind": by_kind,
+            "items": len(results), "seconds": time.perf_counter() - began, "results": results}
