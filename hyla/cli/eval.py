@@ -350,7 +350,8 @@ def add_compare(evals) -> None:
                    help="folder of local task YAML files, e.g. from hyla eval make-mc "
                         "(default: none)")
     p.add_argument("--limit", type=positive, default=None,
-                   help="documents scored per task (default: all)")
+                   help="documents scored per task, and generated items a kind with "
+                        "--generation (default: all)")
     p.add_argument("--recall-pairs", default=None,
                    help="comma-separated loads of the text key-value recall, e.g. 2,8,32 "
                         "(default: no recall)")

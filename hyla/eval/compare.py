@@ -101,7 +101,8 @@ def compare_models(teacher_src, student_src, *, tasks: Sequence[str] = (),
     and passkey retrieval (2 trials a length; 8 and 16K tokens with ``full``), accuracy on
     ``tasks`` (``limit`` documents each), and the recall-by-load curve at ``recall_pairs``
     (``recall_limit`` questions a load, growing context) when given; with ``generation``,
-    what each writes greedily (:func:`hyla.eval.generation.generation_eval`).
+    what each writes greedily (:func:`hyla.eval.generation.generation_eval`, ``limit``
+    items a kind).
 
     Returns ``{"teacher": {...}, "student": {...}, "perplexity_ratio": {len: s/t},
     "skills": [{"task", "metric", "teacher", "student", "ratio"}], "recall":
@@ -158,7 +159,7 @@ def compare_models(teacher_src, student_src, *, tasks: Sequence[str] = (),
             from hyla.eval.generation import generation_eval
 
             t0 = time.perf_counter()
-            side["generation"] = generation_eval(model, tok)
+            side["generation"] = generation_eval(model, tok, limit=limit)
             seconds[f"{label}_generation"] = time.perf_counter() - t0
             say(f"{label}: {side['generation']['items']} generated answers in "
                 f"{seconds[f'{label}_generation']:.1f} s")

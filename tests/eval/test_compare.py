@@ -100,3 +100,17 @@ def test_an_unknown_task_names_itself_and_include_path(work):
     _, _, _, tasks = work
     with pytest.raises(ValueError, match=r"no_such_task_35.*--include-path"):
         task_manager(["tiny_mc", "no_such_task_35"], str(tasks))
+
+
+def test_compare_generation_rows(work, capsys):
+    """--generation: both models' greedy answers scored, --limit items a kind, a row a
+    kind with the student's share over the teacher's."""
+    tmp, teacher, student, _ = work
+    out = tmp / "gen"
+    assert main(["eval", "compare", str(teacher), str(student), "--generation", "--limit", "1",
+                 "--ppl-tokens", "256", "--out", str(out), "--threads", "1"]) == 0
+    r = json.loads((out / "compare.json").read_text())
+    assert [g["kind"] for g in r["generation"]] == ["all", "python", "recall", "qa"]
+    assert r["generation"][0]["items"] == 3 == r["student"]["generation"]["items"]
+    assert r["generation"][1]["student"] == r["student"]["generation"]["by_kind"]["python"]
+    assert "generation, all (3 items, greedy)" in capsys.readouterr().out
