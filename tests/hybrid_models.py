@@ -1,7 +1,7 @@
 """Tiny random transformers checkpoints of the hybrid families llama.cpp converts (LFM2,
-Granite 4.0-H dense and MoE, Nemotron-H, Falcon-H1, Qwen3.5, Qwen3-Next with experts; every norm, bias,
-A_log, D and dt_bias randomised), saved as llama.cpp's ``convert_hf_to_gguf.py`` wants them:
-for the GGUF tests and for ``benchmarks/llamacpp_greedy.py``.
+Granite 4.0-H dense and MoE, Nemotron-H, Falcon-H1, Qwen3.5, Qwen3-Next with experts; every
+norm, bias, A_log, D and dt_bias randomised), saved as llama.cpp's ``convert_hf_to_gguf.py``
+wants them: for the GGUF tests and for ``benchmarks/llamacpp_greedy.py``.
 
 ``source_dir(name, d, seed)`` saves model ``name`` of :data:`MODELS` with SmolLM2's tokenizer
 (one the converter recognises) and returns the transformers model; ``to_gguf`` converts it.

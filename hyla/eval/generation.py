@@ -26,7 +26,7 @@ from hyla.eval import generation_items as items
 from hyla.eval.sandbox import Limits, run_python
 
 KINDS = ("python", "recall", "qa")
-MAX_NEW_TOKENS = {"python": 160, "recall": 24, "qa": 16}
+MAX_NEW_TOKENS = {"python": 200, "recall": 32, "qa": 24}
 
 
 def function_body(text: str) -> str:
@@ -49,26 +49,56 @@ def first_line(text: str) -> str:
     return text.strip().split("\n", 1)[0].strip()
 
 
-def _cases(kinds: Sequence[str]) -> list[dict]:
+def fenced_code(text: str) -> str | None:
+    """The first fenced code block of ``text`` (its body), or None.
+
+    Example:
+        >>> fenced_code("Sure:\\n```python\\ndef f():\\n    return 1\\n```\\nDone.")
+        'def f():\\n    return 1\\n'
+    """
+    start = text.find("```")
+    if start < 0:
+        return None
+    body = text[start + 3:].split("\n", 1)[1] if "\n" in text[start + 3:] else ""
+    return body.split("```", 1)[0]
+
+
+def _cases(kinds: Sequence[str], chat: bool = False) -> list[dict]:
+    """The items as prompts: for a model with a chat template, one user message each
+    (instruction-tuned models answer so; a raw prompt lets them close a code block at
+    once), else raw text with worked examples before each question."""
     out = []
     for name, prompt, tests in items.PYTHON if "python" in kinds else ():
-        out.append({"id": f"python/{name}", "kind": "python", "prompt": prompt,
-                    "tests": tests})
+        out.append({"id": f"python/{name}", "kind": "python", "code": prompt, "tests": tests,
+                    "name": name, "prompt": items.CODE_ASK.format(code=prompt) if chat
+                    else prompt})
     for name, note, question, refs in items.RECALL if "recall" in kinds else ():
         out.append({"id": f"recall/{name}", "kind": "recall", "refs": refs, "case": False,
-                    "prompt": f"{items.RECALL_SHOTS}Note: {note}\nQ: {question}\nA:"})
+                    "prompt": f"{note}\n{question} {items.BRIEF}" if chat else
+                    f"{items.RECALL_SHOTS}Note: {note}\nQ: {question}\nA:"})
     for name, question, refs, case in items.QA if "qa" in kinds else ():
         out.append({"id": f"qa/{name}", "kind": "qa", "refs": refs, "case": case,
-                    "prompt": f"{items.QA_SHOTS}Q: {question}\nA:"})
+                    "prompt": f"{question} {items.BRIEF}" if chat else
+                    f"{items.QA_SHOTS}Q: {question}\nA:"})
     return out
 
 
+def python_program(case: dict, text: str) -> str:
+    """The program a Python answer makes with the item's tests: the answer's code block
+    (or the answer) where it holds the whole function, else the item's signature and
+    docstring followed by the answer's body."""
+    code = fenced_code(text)
+    code = text if code is None else code
+    if f"def {case['name']}(" not in code:
+        code = case["code"] + function_body(code)
+    return code + "\n\n" + case["tests"] + "\n"
+
+
 def score(case: dict, text: str, limits: Limits | None = None) -> tuple[bool, str]:
-    """(whether ``text``, the model's continuation of ``case``'s prompt, is right; a note:
-    the test run's output for Python, else the answer line)."""
+    """(whether ``text``, the model's answer to ``case``'s prompt, is right; a note: the
+    test run's output for Python, else the answer line)."""
     if case["kind"] == "python":
-        program = case["prompt"] + function_body(text) + "\n\n" + case["tests"] + "\n"
-        return run_python(program, limits or Limits())
+        return run_python(python_program(case, text), limits or Limits())
     answer = first_line(text)
     if case["case"]:
         return any(r in answer for r in case["refs"]), answer
@@ -91,20 +121,27 @@ def generation_eval(model, tokenizer, *, kinds: Sequence[str] = KINDS,
         raise ValueError(f"--kinds: {unknown or 'none'} given: choose from {', '.join(KINDS)}")
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
-    cases = _cases(kinds)
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    stops = tuple({getattr(tokenizer, "eos_id", None), *getattr(tokenizer, "stop_ids", ())}
+                  - {None}) if chat else ()
+    cases = _cases(kinds, chat)
     if limit is not None:
         cases = [c for k in kinds for c in [c for c in cases if c["kind"] == k][:limit]]
     began, results = time.perf_counter(), []
     for case in cases:
-        prompt = tokenizer.encode(case["prompt"])
+        prompt = tokenizer.encode(tokenizer.apply_chat_template(
+            [{"role": "user", "content": case["prompt"]}]) if chat else case["prompt"])
         n = max_new_tokens or MAX_NEW_TOKENS[case["kind"]]
 
         def done(new: list[int], kind=case["kind"]) -> bool:
             text = tokenizer.decode(new)
+            if kind == "python" and chat:       # a code block opened and closed
+                return text.count("```") >= 2
             if kind == "python":     # the function ended: an unindented line began
                 return function_body(text) != text.rstrip(" ") and "\n" in text
             return "\n" in text.lstrip()
-        text = tokenizer.decode(generate(model, prompt, n, temperature=0.0, until=done))
+        text = tokenizer.decode(generate(model, prompt, n, temperature=0.0, until=done,
+                                         stop_ids=stops))
         ok, note = score(case, text)
         results.append({"id": case["id"], "kind": case["kind"], "ok": ok, "output": text,
                         "note": note[:300]})

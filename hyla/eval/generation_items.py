@@ -94,3 +94,8 @@ QA = [
 QA_SHOTS = "Q: What is 2 plus 2?\nA: 4\n\nQ: What colour is the sky on a clear day?\nA: Blue\n\n"
 RECALL_SHOTS = ("Note: Ada keeps her bicycle in the shed behind the bakery.\n"
                 "Q: Where does Ada keep her bicycle?\nA: In the shed behind the bakery.\n\n")
+
+# what a model with a chat template is asked (teacher and student alike)
+CODE_ASK = ("Complete this Python function. Reply with the whole function in a ```python "
+            "code block.\n\n```python\n{code}```")
+BRIEF = "Answer in a few words."

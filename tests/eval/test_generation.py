@@ -11,7 +11,7 @@ import pytest
 from hyla.cli import main
 from hyla.data import ByteTokenizer
 from hyla.eval import generation_items as items
-from hyla.eval.generation import _cases, function_body, generation_eval, score
+from hyla.eval.generation import _cases, fenced_code, function_body, generation_eval, score
 from hyla.eval.sandbox import Limits, run_python
 from hyla.model import HylaLM, preset
 from hyla.model.formats.checkpoint import save_checkpoint
@@ -81,3 +81,17 @@ def test_generation_eval_on_a_tiny_model_and_the_cli(tmp_path, capsys):
     assert "--kinds 'poetry': choose from python, recall, qa" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--limit must be >= 1"):
         generation_eval(model, ByteTokenizer(), limit=0)
+
+
+def test_chat_answers_are_read_from_their_code_block():
+    """A model with a chat template is asked in one user message; its answer's code block
+    is run, whole function or body alone."""
+    (case,) = [c for c in _cases(("python",), chat=True) if c["id"] == "python/add"]
+    assert "```python\ndef add(a, b):" in case["prompt"]
+    whole = "Here it is:\n```python\ndef add(a, b):\n    return a + b\n```\nEnjoy."
+    assert score(case, whole)[0]
+    assert score(case, "```python\n    return a + b\n```")[0]          # the body alone
+    assert not score(case, "```python\ndef add(a, b):\n    return a - b\n```")[0]
+    assert fenced_code("no code here") is None
+    (qa,) = [c for c in _cases(("qa",), chat=True) if c["id"] == "qa/plus"]
+    assert qa["prompt"] == "What is 15 plus 27? Answer in a few words."
