@@ -65,9 +65,9 @@ def run_python(program: str, limits: Limits | None = None) -> tuple[bool, str]:
         # printing loop writes until the CPU limit)
         with open(log, "wb") as sink:
             try:
-                proc = subprocess.Popen(
-                    [sys.executable, "-I", "-S", path], cwd=tmp, stdin=subprocess.DEVNULL,
-                    stdout=sink, stderr=subprocess.STDOUT,
+                proc = subprocess.Popen(   # by its relative name: no machine path in notes
+                    [sys.executable, "-I", "-S", "program.py"], cwd=tmp,
+                    stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
                     env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"},
                     preexec_fn=_limit(limits))
             except OSError as e:
