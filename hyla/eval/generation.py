@@ -5,7 +5,9 @@ Likelihood measures (perplexity, multiple choice) flatter linearised students: a
 rank the right answer first yet lose its way over a long answer or a format. Here every item
 is generated greedily and scored on the text: Python bodies by running their tests
 (pass@1, :func:`hyla.eval.sandbox.run_python`), notes and questions by containing the
-reference on the answer's first line. ``hyla eval generate`` scores one model;
+reference on the answer's first line. A model with a chat template is asked each item as
+one user message (its Python answer's code block is run); others get raw prompts with worked
+examples. ``hyla eval generate`` scores one model;
 ``hyla eval compare --generation`` puts teacher and student side by side.
 
 Example:

@@ -5,7 +5,9 @@ directory on its path) in an empty temporary directory, with CPU seconds, addres
 file size, open files and processes bounded by ``resource`` limits set before it starts, a
 wall-clock timeout, and its output read to a cap. It is not a security boundary against a
 determined attacker (the code runs as this user, with network access if the machine has
-it); it keeps a wrong or runaway completion from hanging or exhausting the evaluation.
+it; and for root the process count is not limited, since Linux does not enforce
+``RLIMIT_NPROC`` for root); it keeps a wrong or runaway completion from hanging or
+exhausting the evaluation.
 """
 
 from __future__ import annotations
