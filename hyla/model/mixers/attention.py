@@ -180,7 +180,9 @@ class AttentionMixer(Mixer):
         lacks at unit scale, until :meth:`calibrate` sets them from the teacher's queries
         and keys; norm weights converted between plain and zero-centred storage."""
         heads, new = teacher.cfg.n_kv_heads, self.cfg.n_kv_heads
-        gated = self.opts.output_gate and not teacher.opts.output_gate
+        # (the linearised mixers built on this one have options of their own kind)
+        gated = getattr(self.opts, "output_gate", False) and not getattr(
+            teacher.opts, "output_gate", False)
         self.fresh_qk_norm = self.cfg.qk_norm and not teacher.cfg.qk_norm
         for name, tensor in teacher.state_dict().items():
             if name.startswith(("k_proj.", "v_proj.")) and heads != new:
