@@ -1,5 +1,5 @@
 """Judge a model by what it writes: greedy answers to held-out prompts, scored against
-references (:mod:`hyla.eval.generation_items`).
+references (:mod:`hyla.eval.writing_tasks`).
 
 Likelihood measures (perplexity, multiple choice) flatter linearised students: a model can
 rank the right answer first yet lose its way over a long answer or a format. Here every item
@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from hyla.eval import generation_items as items
+from hyla.eval import writing_tasks as items
 from hyla.eval.sandbox import Limits, run_python
 
 KINDS = ("python", "recall", "qa")

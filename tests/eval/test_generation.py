@@ -10,7 +10,7 @@ import pytest
 
 from hyla.cli import main
 from hyla.data import ByteTokenizer
-from hyla.eval import generation_items as items
+from hyla.eval import writing_tasks as items
 from hyla.eval.generation import _cases, fenced_code, function_body, generation_eval, score
 from hyla.eval.sandbox import Limits, run_python
 from hyla.model import HylaLM, preset
