@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -141,6 +142,18 @@ def mamba2_gguf_tensor(kind: str, suffix: str, w: torch.Tensor) -> tuple[torch.T
     elif kind in ("ssm_norm", "ssm_conv1d") and suffix == "weight":
         w = w.flatten() if kind == "ssm_norm" else w[:, None]
     return w, kind in ("ssm_a", "ssm_d", "ssm_dt")
+
+
+def time_step_limit(hf: dict) -> tuple[float, float]:
+    """A Mamba-2 config's ``time_step_limit`` (default ``(0, inf)``); transformers writes
+    infinity as ``{"__float__": "Infinity"}`` (JSON has no inf).
+
+    Example:
+        >>> time_step_limit({"time_step_limit": [0.0, {"__float__": "Infinity"}]})
+        (0.0, inf)
+    """
+    return tuple(float(v["__float__"]) if isinstance(v, dict) else float(v)
+                 for v in hf.get("time_step_limit") or (0.0, math.inf))
 
 
 def gguf_shape(shapes: dict, name: str, source: str) -> tuple[int, ...]:

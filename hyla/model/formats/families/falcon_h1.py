@@ -41,6 +41,7 @@ from hyla.model.formats.families.base import (
     register_family,
     require,
     take,
+    time_step_limit,
 )
 from hyla.model.layers import rope_from_hf_config
 from hyla.model.mixers import MIXERS
@@ -82,8 +83,6 @@ def _mamba(hf: dict, d: int, source: str) -> dict:
     if heads * head_dim != inner:
         raise ValueError(f"{source}: mamba_n_heads={heads} x mamba_d_head={head_dim} must be "
                          f"the SSM width (mamba_d_ssm) {inner}")
-    limit = [float(v["__float__"]) if isinstance(v, dict) else float(v)
-             for v in hf.get("time_step_limit") or (0.0, math.inf)]
     bias = bool(hf.get("mamba_proj_bias", False))
     if bool(hf.get("projectors_bias", False)) != bias:
         raise ValueError(f"{source}: projectors_bias={hf.get('projectors_bias')!r} differs "
@@ -94,7 +93,7 @@ def _mamba(hf: dict, d: int, source: str) -> dict:
             "n_groups": int(hf.get("mamba_n_groups", 1)),
             "conv_kernel": int(hf.get("mamba_d_conv", 4)),
             "conv_bias": bool(hf.get("mamba_conv_bias", True)), "proj_bias": bias,
-            "time_step_limit": tuple(limit), "gated_norm": bool(hf.get("mamba_rms_norm")),
+            "time_step_limit": time_step_limit(hf), "gated_norm": bool(hf.get("mamba_rms_norm")),
             "norm_before_gate": bool(hf.get("mamba_norm_before_gate", True))}
 
 

@@ -44,6 +44,7 @@ from hyla.model.formats.families.base import (
     register_family,
     require,
     take,
+    time_step_limit,
     unpermute_rows,
 )
 from hyla.model.layers import rope_from_hf_config
@@ -89,16 +90,13 @@ def to_config(hf: dict, source: str) -> HylaConfig:
     if m_heads * head_dim != inner:
         raise ValueError(f"{source}: mamba_n_heads={m_heads} x mamba_d_head={head_dim} must be "
                          f"mamba_expand x hidden_size = {inner}")
-    # transformers writes infinity as {"__float__": "Infinity"} (JSON has no inf)
-    limit = [float(v["__float__"]) if isinstance(v, dict) else float(v)
-             for v in hf.get("time_step_limit") or (0.0, math.inf)]
     mamba = {"n_heads": m_heads, "head_dim": head_dim,
              "state_size": _int(hf, "mamba_d_state", 256),
              "n_groups": _int(hf, "mamba_n_groups", 1),
              "conv_kernel": _int(hf, "mamba_d_conv", 4),
              "conv_bias": bool(hf.get("mamba_conv_bias", True)),
              "proj_bias": bool(hf.get("mamba_proj_bias", False)),
-             "time_step_limit": tuple(limit)}
+             "time_step_limit": time_step_limit(hf)}
     experts = int(hf.get("num_local_experts") or 0)
     shared = int(require(hf, "shared_intermediate_size", source, KIND))
     ffn_options = {}
