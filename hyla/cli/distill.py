@@ -69,6 +69,11 @@ _HELP = {
     "eval_data": "held-out text of the report (default: the stdlib validation split)",
     "data": "training text: a file, a folder, .jsonl or .parquet (default: the embedded "
             "stdlib corpus)",
+    "chat_data": "teacher conversations mixed into the training data: this many requests "
+                 "(from the stdlib's functions) answered by the teacher in its chat template; "
+                 "0: none (needs a chat template; mixed with the stdlib corpus or a --data "
+                 "folder)",
+    "chat_share": "the conversations' share of the training tokens (default: %(default)s)",
     "batch_size": "blocks a step",
     "shuffle_buffer": "blocks of --seq-len mixed at once (stage 1 holds as many tokens)",
     "optimizer": "muon (Muon on matrices, AdamW on the rest) or adamw",

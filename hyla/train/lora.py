@@ -96,3 +96,24 @@ def has_lora(model: nn.Module) -> bool:
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The adapters' parameters, in :func:`add_lora`'s order."""
     return [p for m in model.modules() if isinstance(m, LoRA) for p in (m.a, m.b)]
+
+
+def beside_lora(module: nn.Module) -> list[nn.Parameter]:
+    """``module``'s parameters that are neither an adapter nor an adapted layer's weight:
+    what a LoRA stage trains whole in a layer that is new to the model (its gates, norms,
+    convolutions), beside the adapters.
+
+    Example:
+        >>> from hyla.model import HylaLM, preset
+        >>> model = HylaLM(preset("debug"))
+        >>> _ = add_lora(model, 2)
+        >>> mixer = model.blocks[0].mixer
+        >>> names = {id(p): n for n, p in mixer.named_parameters()}
+        >>> [names[id(p)] for p in beside_lora(mixer)]
+        ['gk_proj.0.weight', 'gk_proj.1.weight', 'gk_proj.1.bias', 'g_proj.weight', 'g_norm.weight']
+    """
+    adapters = getattr(module, "lora", None)
+    adapted = ({f"{target}.weight" for target in adapters}
+               if isinstance(adapters, nn.ModuleDict) else set())
+    return [p for name, p in module.named_parameters()
+            if not name.startswith("lora.") and name not in adapted]

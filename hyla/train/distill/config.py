@@ -65,6 +65,11 @@ class DistillConfig:
     include_path: str | None = None  # a folder of local lm-eval task configs
     eval_data: str | None = None  # held-out text of the report (None: the stdlib validation)
     data: str | None = None  # None: the embedded stdlib corpus
+    # teacher conversations mixed into the training data (hyla.train.distill.chat_data):
+    # this many requests answered by the teacher in its chat template, `chat_share` of the
+    # tokens; 0: none
+    chat_data: int | None = None
+    chat_share: float = 0.5
     stage1_steps: int | None = None
     stage2_steps: int | None = None
     seq_len: int | None = None  # stage 2 (and validation)
@@ -100,7 +105,8 @@ class DistillConfig:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got "
                                  f"{getattr(self, name)}")
         for name in ("stage1_steps", "stage2_steps", "warmup_steps", "shuffle_buffer", "window",
-                     "sinks", "lora_rank", "eval_every", "report_tokens", "report_trials"):
+                     "sinks", "lora_rank", "eval_every", "report_tokens", "report_trials",
+                     "chat_data"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 0, got "
                                  f"{getattr(self, name)}")
@@ -124,6 +130,8 @@ class DistillConfig:
             raise ValueError(f"lora-alpha must be > 0, got {self.lora_alpha}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.chat_share <= 1:
+            raise ValueError(f"chat-share must be in (0, 1], got {self.chat_share}")
         if not 0 <= self.decay_fraction <= 1:
             raise ValueError(f"decay-fraction must be in [0, 1], got {self.decay_fraction}")
 

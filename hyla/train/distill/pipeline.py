@@ -32,7 +32,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from hyla.data.packing import corpus_blocks
+from hyla.data.corpus import list_documents
+from hyla.data.packing import PackedBlocks, corpus_blocks
 from hyla.model.formats.checkpoint import save_checkpoint
 from hyla.model.mixers.attention import AttentionMixer
 from hyla.train.checkpointing import (
@@ -59,7 +60,7 @@ from hyla.train.distill.student import (
     transfer_layers,
 )
 from hyla.train.loop import Loop, Stage
-from hyla.train.lora import add_lora, has_lora, lora_parameters, merge_lora
+from hyla.train.lora import add_lora, beside_lora, has_lora, lora_parameters, merge_lora
 from hyla.train.objectives import validation_loss
 from hyla.train.optim import run_optimizers
 
@@ -153,13 +154,14 @@ class Distiller:
                                    window=cfg.window, sinks=cfg.sinks,
                                    layout=self.recipe.layout)
         self.model.activation_checkpointing = cfg.activation_checkpointing
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.documents = self._chat_mixture()
         self.transfer = transfer_layers(self.teacher.cfg, self.model.cfg)
         self.stage1_steps = cfg.stage1_steps if self.transfer else 0  # nothing to transfer
         self.total_steps = self.stage1_steps + cfg.stage2_steps
         self.autocast = autocast_dtype(cfg.autocast, next(self.model.parameters()).device)
         self._teacher_val: float | None = None
         step = 0
-        self.out.mkdir(parents=True, exist_ok=True)
         calibration = self.out / "calibration.json"
         self.calibration = None
         if state is None and self.stage1_steps:
@@ -188,6 +190,29 @@ class Distiller:
             torch.set_rng_state(state["rng"])
         self.loop = Loop(out=self.out, cfg=cfg, model=self.model, tokenizer=self.tokenizer,
                          stage=stage, total=self.total_steps, step=step, validate=self.validate)
+
+    def _chat_mixture(self) -> list | None:
+        """The training documents with the teacher's conversations mixed in
+        (:mod:`hyla.train.distill.chat_data`; made once, kept in OUT/chat_data.json), or None
+        (no chat data: the data source as it is)."""
+        from hyla.train.distill import chat_data
+
+        cfg = self.cfg
+        if not cfg.chat_data:
+            return None
+        if not getattr(self.tokenizer, "chat_template", None):
+            self.log("the teacher's tokenizer has no chat template: no teacher conversations "
+                     "mixed in (--chat-data needs one)")
+            return None
+        files = list_documents(cfg.data, "train")
+        if files is None:
+            self.log(f"--data {cfg.data!r} is read as a stream: no teacher conversations mixed "
+                     f"in (they mix with the stdlib corpus or a folder)")
+            return None
+        with self._phase("chat_data"):
+            chats = chat_data.load_or_make(self.out / "chat_data.json", self.teacher,
+                                           self.tokenizer, cfg.chat_data, cfg.seed, self.log)
+        return chat_data.mixture(chats, self.tokenizer, cfg.chat_share, files, cfg.seed)
 
     @contextlib.contextmanager
     def _phase(self, name: str, *, quiet: bool = False):
@@ -363,8 +388,7 @@ class Distiller:
             if cfg.lora_rank:
                 params = (lora_parameters(self.model) if has_lora(self.model) else
                           add_lora(self.model, cfg.lora_rank, cfg.lora_alpha))
-                params += [p for m in mixers if hasattr(m, "new_parameters")
-                           for p in m.new_parameters()]
+                params += [p for m in mixers for p in beside_lora(m)]
                 lrs = types.SimpleNamespace(optimizer="adamw", lr=cfg.lr,
                                             weight_decay=cfg.weight_decay)
             else:
@@ -386,9 +410,14 @@ class Distiller:
         # The buffer holds the same number of tokens in both stages (stage 1's blocks may be
         # much longer).
         buffer = max(1, cfg.shuffle_buffer * cfg.seq_len // seq_len) if cfg.shuffle_buffer else 0
-        blocks = corpus_blocks(cfg.data, self.tokenizer, seq_len, split="train",
-                               seed=cfg.seed + stage - 1, shuffle_buffer=buffer,
-                               position=position)
+        if self.documents is not None:
+            blocks = PackedBlocks(self.documents, self.tokenizer, seq_len,
+                                  seed=cfg.seed + stage - 1, shuffle_buffer=buffer,
+                                  position=position)
+        else:
+            blocks = corpus_blocks(cfg.data, self.tokenizer, seq_len, split="train",
+                                   seed=cfg.seed + stage - 1, shuffle_buffer=buffer,
+                                   position=position)
         tokens = cfg.stage1_tokens_per_step if stage == 1 else cfg.tokens_per_step
         return Stage(objective=objective, optimizers=optimizers, schedulers=schedulers,
                      blocks=blocks, end=start + steps, batch_size=cfg.batch_size,

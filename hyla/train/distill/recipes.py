@@ -42,6 +42,7 @@ class Recipe:
     seq_len: int = 1024
     batch_size: int = 1
     warmup_steps: int = 5
+    chat_data: int = 0     # teacher conversations mixed into the data (0: code alone)
     # the shipped layout (a transformers model_type with a Family.layout) the student takes,
     # so that it exports as that family; None: hyla's own layers
     layout: str | None = None
@@ -61,7 +62,7 @@ class Recipe:
 
 # DistillConfig fields a recipe fills where the config leaves them None.
 RECIPE_FIELDS = ("window", "sinks", "lora_rank", "lr", "stage1_steps",
-                 "stage2_steps", "seq_len", "batch_size", "warmup_steps")
+                 "stage2_steps", "seq_len", "batch_size", "warmup_steps", "chat_data")
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe(name="window-gla",
@@ -82,8 +83,10 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            summary="Qwen3.5's text layout, which transformers, llama.cpp and vLLM run: a "
                    "quarter of the layers gated softmax attention with q/k norms (chosen by "
                    "the teacher), the rest Gated DeltaNet with its short convolution; no "
-                   "window or sinks (the layout has none); LoRA 8 in stage 2",
-           linear="D", window=0, layout="qwen3_5_text"),
+                   "window or sinks (the layout has none); the data half the teacher's "
+                   "answers in its chat template; LoRA 8 in stage 2, with the new layers' "
+                   "gates and norms trained whole",
+           linear="D", window=0, layout="qwen3_5_text", chat_data=192),
 )}
 
 
