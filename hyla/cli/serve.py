@@ -296,6 +296,7 @@ def warm_up(async_engine, args: argparse.Namespace, out: Console, ready: threadi
             # the padding slot and block only: requests run beside it, eagerly
             built = engine.warmup()
         except Exception as e:  # noqa: BLE001 - the widths not built stay eager
+            engine.runner.compile_error = repr(e)[:500]
             out.print(f"[yellow]compiling decode failed ({e!r}); widths "
                       f"{sorted(engine.runner.built_widths)} compiled, the others eager[/]")
             return

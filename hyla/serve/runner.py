@@ -117,6 +117,7 @@ class Runner:
         self._decode_fn = self._compiled_decode if compile else self._decode_impl
         self.eager_until_built = eager_until_built
         self.built_widths: set[int] = set()     # widths warmup has compiled (or captured)
+        self.compile_error: str | None = None   # why building the graphs failed, if it did
         self.num_compilations = 0      # graphs torch.compile built for decode
         self.compile_time_s = 0.0      # wall time of the decode calls that compiled
         self.graphs = None
@@ -159,6 +160,19 @@ class Runner:
     def runs_graph(self, width: int) -> bool:
         """Whether a decode of this width runs its compiled (or captured) graph."""
         return self.fixed_shapes and (not self.eager_until_built or width in self.built_widths)
+
+    def decode_mode(self, widths) -> str:
+        """How decode steps of ``widths`` (the scheduler's) run, for ``/health``: ``eager``,
+        ``compiling`` (eager until a background warm-up builds each width's graph),
+        ``compiled``, ``cuda_graphs``, or ``eager-fallback`` (building failed:
+        :attr:`compile_error` says why; the widths not built stay eager)."""
+        if not self.fixed_shapes:
+            return "eager"
+        if self.compile_error is not None:
+            return "eager-fallback"
+        if self.eager_until_built and not set(widths) <= self.built_widths:
+            return "compiling"
+        return "cuda_graphs" if self.graphs is not None else "compiled"
 
     @property
     def num_captures(self) -> int:

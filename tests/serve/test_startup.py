@@ -104,3 +104,44 @@ def test_compiling_fails_after_ready_and_the_server_stays_eager(engine, monkeypa
                                               cuda_graphs=False)   # built after ready
     assert ready.is_set() and not failed
     assert "no compiler" in printed
+
+
+def test_health_says_which_mode_serves_and_why_compiling_fell_back():
+    """``/health``'s ``decode_mode``: eager without ``--compile``; with it, ``compiling``
+    while the background warm-up builds the widths; a warm-up that fails leaves the server
+    serving eagerly, ``eager-fallback`` with the reason (a warning in the log)."""
+    torch.manual_seed(0)
+    eng = AsyncEngine(Engine(HylaLM(preset("debug")), ByteTokenizer(),
+                             EngineConfig(max_num_seqs=2, max_model_len=64, compile=True,
+                                          eager_until_compiled=True)))
+
+    async def health(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            body = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200
+            return (await c.get("/health")).json()
+    try:
+        ready, failed = threading.Event(), []
+        app = create_app(eng, model_name="m", ready=ready)
+
+        def broken(*_a, **_k):
+            raise RuntimeError("no C compiler here")
+        eng.engine.warmup = broken
+        assert eng.engine.runner.decode_mode((1, 2)) == "compiling"
+        log = Console(record=True, width=200)
+        warm_up(eng, argparse.Namespace(compile=True, cuda_graphs=False), log, ready,
+                failed.append)
+        assert ready.is_set() and not failed
+        assert "compiling decode failed" in log.export_text()
+        h = asyncio.run(health(app))
+        assert h["decode_mode"] == "eager-fallback" and "no C compiler" in h["compile_error"]
+    finally:
+        eng.shutdown()
+    plain = AsyncEngine(Engine(HylaLM(preset("debug")), ByteTokenizer(),
+                               EngineConfig(max_num_seqs=2, max_model_len=64)))
+    try:
+        assert asyncio.run(health(create_app(plain, model_name="m")))["decode_mode"] == "eager"
+    finally:
+        plain.shutdown()

@@ -369,8 +369,11 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                 "kv_blocks_used": s.blocks.num_used if s.blocks is not None else 0,
                 "engine_restarts": engine.restarts, "last_engine_failure": engine.last_failure}
         runner = engine.engine.runner
+        body["decode_mode"] = runner.decode_mode(s.config.decode_widths)
         if runner.eager_until_built:        # graphs building in the background
             body["decode_widths_compiled"] = sorted(runner.built_widths)
+        if runner.compile_error is not None:
+            body["compile_error"] = runner.compile_error
         problem = (None if engine.alive else f"the engine is dead: {engine.error!r}") or \
             (health_check() if health_check is not None else None)
         if problem is not None:
