@@ -197,6 +197,9 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
     key = resolve_api_key(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    from hyla.serve.memory_report import rss_bytes
+
+    rss_before_model = rss_bytes()
     model, tok, name = load_model(args, out)
     model = apply_quantize(model.to(serve_dtype(args.dtype, model.anchor)), args, out)
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -239,7 +242,8 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
         app, args.host, args.port, limits, log_level=args.log_level,
         timeout_graceful_shutdown=3)))
     threading.Thread(target=warm_up, args=(async_engine, args, out, ready, on_dead),
-                     name="hyla-warmup", daemon=True).start()
+                     kwargs={"rss_before_model": rss_before_model}, name="hyla-warmup",
+                     daemon=True).start()
     try:
         server[0].run()
     finally:
@@ -251,7 +255,7 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
 
 
 def warm_up(async_engine, args: argparse.Namespace, out: Console, ready: threading.Event,
-            on_failure) -> None:
+            on_failure, *, rss_before_model: int = 0) -> None:
     """The server's warm-up, on its own thread while ``/health`` says "starting" (requests
     wait for ``ready``): with ``--cuda-graphs`` every decode shape captured, so no request
     waits on it; then one tiny request, so first-call costs (allocator, kernels) land on no
@@ -262,7 +266,9 @@ def warm_up(async_engine, args: argparse.Namespace, out: Console, ready: threadi
     ``--compile`` alone, each decode width's graph is built while the server serves that
     width eagerly (a minute or more on a CPU, while eager steps slow down as the two threads
     share the interpreter); ``/health`` lists the widths built. A width that fails to
-    compile stays eager."""
+    compile stays eager. In between, the resident memory's breakdown is logged
+    (:mod:`hyla.serve.memory_report`; ``rss_before_model``: the resident set before the
+    model was loaded)."""
     import asyncio
 
     from hyla.serve.metrics import EngineMetrics
@@ -290,6 +296,9 @@ def warm_up(async_engine, args: argparse.Namespace, out: Console, ready: threadi
         from hyla.model.quantize import prepare_copies
 
         prepare_copies(engine.model)       # before compiling: the graphs read them
+    from hyla.serve.memory_report import breakdown, describe
+
+    out.print(describe(breakdown(engine, rss_before_model)))
     if args.compile and not args.cuda_graphs:
         began = time.perf_counter()
         try:

@@ -145,3 +145,33 @@ def test_health_says_which_mode_serves_and_why_compiling_fell_back():
         assert asyncio.run(health(create_app(plain, model_name="m")))["decode_mode"] == "eager"
     finally:
         plain.shutdown()
+
+
+def test_the_warm_up_logs_where_the_memory_goes(engine):
+    from hyla.serve.memory_report import breakdown, rss_bytes
+
+    log = Console(record=True, width=300)
+    warm_up(engine, argparse.Namespace(compile=False, cuda_graphs=False), log,
+            threading.Event(), [].append, rss_before_model=rss_bytes())
+    line = log.export_text()
+    assert "MB resident = weights" in line and "before the model was loaded" in line
+    parts = breakdown(engine.engine)
+    params = sum(p.numel() * p.element_size() for p in engine.engine.model.parameters())
+    assert parts["weights_float"] >= params and parts["weights_quantised"] == 0
+    assert parts["state_slots"] > 0 and parts["resident"] >= sum(
+        parts[k] for k in ("weights_float", "state_slots", "kv_in_use"))
+    assert parts["kv_in_use"] == 0 < parts["kv_reserved"]      # nothing running now
+
+
+def test_quantised_weights_count_as_quantised_and_each_storage_once():
+    from hyla.model.quantize import quantize_model
+    from hyla.serve.memory_report import tensor_bytes
+
+    torch.manual_seed(0)
+    model = HylaLM(preset("debug")).eval()
+    before = tensor_bytes(model)
+    quantize_model(model, "int8")
+    after = tensor_bytes(model)
+    assert after["quantised"] > 0 and after["float"] + after["quantised"] < before["float"]
+    model.tied = model.norm.weight          # a second name for one storage adds nothing
+    assert tensor_bytes(model) == after

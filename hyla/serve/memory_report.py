@@ -1,0 +1,99 @@
+"""Where a server's resident memory goes: the breakdown ``hyla serve`` logs once it is ready.
+
+The resident set (``/proc/self/statm``) split into what hyla can count: the model's tensors
+(parameters, buffers and the tensors its layers keep beside them, such as a quantised
+layer's dense or int8 copies; each storage once), the engine's fixed state slots and
+snapshots, and the KV blocks in use (the KV reservation is mapped lazily on a CPU: only
+written blocks are resident). The rest is the interpreter, torch and the other libraries,
+the tokenizer and the allocator's caches; the resident set before the model was loaded says
+how much of it came with the imports.
+
+Example:
+    >>> from hyla.model import HylaLM, preset
+    >>> counted = tensor_bytes(HylaLM(preset("debug")))
+    >>> counted["float"] > 0 and counted["quantised"] == 0
+    True
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+MB = 1 << 20
+
+
+def rss_bytes() -> int:
+    """This process's resident set in bytes (0 where ``/proc`` is missing)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _tensors(module: nn.Module):
+    for m in module.modules():
+        yield from m._parameters.values()
+        yield from m._buffers.values()
+        for value in vars(m).values():          # copies a layer keeps as plain attributes
+            if isinstance(value, torch.Tensor):
+                yield value
+            elif hasattr(value, "__dict__") and not isinstance(value, nn.Module):
+                yield from (v for v in vars(value).values() if isinstance(v, torch.Tensor))
+
+
+def tensor_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of the model's tensors, each storage once: ``{"float": ..., "quantised": ...}``
+    (integer tensors count as quantised: codes, packed weights, int8 copies)."""
+    seen, out = set(), {"float": 0, "quantised": 0}
+    for t in _tensors(model):
+        if t is None or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        key = (t.device.type, storage.data_ptr())
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        out["float" if t.is_floating_point() else "quantised"] += storage.nbytes()
+    return out
+
+
+def breakdown(engine, rss_before_model: int = 0) -> dict[str, int]:
+    """Bytes by part for a serving :class:`~hyla.serve.engine.Engine`: ``resident``,
+    ``weights_float``, ``weights_quantised``, ``state_slots`` (fixed state and snapshots),
+    ``kv_in_use`` (blocks held by requests), ``kv_reserved``, ``rest`` (resident minus what
+    is counted) and ``before_model`` (the resident set before loading, 0 if unknown)."""
+    runner = engine.runner
+    weights = tensor_bytes(engine.model)
+    fixed = sum(group[e.name].numel() * group[e.name].element_size()
+                for spec, layer, snaps in zip(runner.specs, runner.buffers, runner.snapshots,
+                                              strict=True)
+                for group in (layer, snaps) for e in spec.fixed)
+    blocks = engine.scheduler.blocks
+    kv_reserved = engine.kv_cache_bytes or 0
+    total_blocks = engine.scheduler.config.num_kv_blocks or 0
+    kv_in_use = (kv_reserved * blocks.num_used // total_blocks
+                 if blocks is not None and total_blocks else 0)
+    resident = rss_bytes()
+    counted = weights["float"] + weights["quantised"] + fixed + kv_in_use
+    return {"resident": resident, "weights_float": weights["float"],
+            "weights_quantised": weights["quantised"], "state_slots": fixed,
+            "kv_in_use": kv_in_use, "kv_reserved": kv_reserved,
+            "rest": max(0, resident - counted), "before_model": rss_before_model}
+
+
+def describe(parts: dict[str, int]) -> str:
+    """One log line of :func:`breakdown`'s parts, in MB."""
+    mb = {k: v / MB for k, v in parts.items()}
+    weights = mb["weights_float"] + mb["weights_quantised"]
+    line = (f"memory: {mb['resident']:.0f} MB resident = weights {weights:.0f} MB "
+            f"({mb['weights_quantised']:.0f} quantised, {mb['weights_float']:.0f} float) + state "
+            f"slots {mb['state_slots']:.1f} MB + KV in use {mb['kv_in_use']:.1f} MB (of "
+            f"{mb['kv_reserved']:.0f} MB reserved, mapped as used) + the rest "
+            f"{mb['rest']:.0f} MB (interpreter, libraries, tokenizer, allocator)")
+    if parts["before_model"]:
+        line += f"; {mb['before_model']:.0f} MB were resident before the model was loaded"
+    return line
