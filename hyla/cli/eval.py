@@ -93,6 +93,8 @@ def add_eval(sub) -> argparse.ArgumentParser:
                    help="comma-separated item kinds (default: %(default)s)")
     p.add_argument("--limit", type=int, default=None, help="items a kind (default: all)")
     p.add_argument("--out", default=None, help="file for the JSON results (default: none)")
+    p.add_argument("--threads", type=positive, default=None,
+                   help="torch CPU threads (default: torch's, every core)")
     add_allow_nonfinite(p)
     add_quantize(p)
     p.set_defaults(func=cmd_generate)
@@ -264,7 +266,8 @@ def cmd_generate(args: argparse.Namespace, out: Console) -> int:
     model, tok = load_source(args.checkpoint)
     require_tokenizer(tok, args.checkpoint, f"hyla eval {args.eval_command}")
     apply_quantize(model, args, out)
-    r = generation_eval(model, tok, kinds=kinds, limit=args.limit)
+    with torch_threads(args.threads):
+        r = generation_eval(model, tok, kinds=kinds, limit=args.limit)
     table = Table(title=f"greedy generation, {r['items']} items ({r['seconds']:.0f} s)")
     table.add_column("kind")
     table.add_column("right", justify="right")

@@ -73,11 +73,12 @@ def test_generation_eval_on_a_tiny_model_and_the_cli(tmp_path, capsys):
     assert {x["id"] for x in r["results"]} == {"python/add", "qa/plus"}
     path = save_checkpoint(model, tmp_path / "m", ByteTokenizer())
     assert main(["eval", "generate", "--checkpoint", str(path), "--kinds", "recall",
-                 "--limit", "1", "--out", str(tmp_path / "g.json")]) == 0
+                 "--limit", "1", "--threads", "1", "--out", str(tmp_path / "g.json")]) == 0
     saved = json.loads((tmp_path / "g.json").read_text())
     assert saved["items"] == 1 and saved["results"][0]["kind"] == "recall"
     capsys.readouterr()
     assert main(["eval", "generate", "--checkpoint", str(path), "--kinds", "poetry"]) == 2
+    assert main(["eval", "generate", "--checkpoint", str(path), "--threads", "0"]) == 2
     assert "--kinds 'poetry': choose from python, recall, qa" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--limit must be >= 1"):
         generation_eval(model, ByteTokenizer(), limit=0)
