@@ -10,6 +10,7 @@ import json
 import pytest
 
 from hyla.cli.main import main
+from hyla.model import HylaLM, preset
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def test_serve_logs_the_kv_reservation_and_refuses_too_small_a_budget(monkeypatc
     import uvicorn
 
     monkeypatch.setattr(uvicorn.Server, "run", lambda self: None)    # start, do not serve
-    monkeypatch.setattr("hyla.cli.serve.warm_up", lambda *a: None, raising=False)
+    monkeypatch.setattr("hyla.cli.serve.warm_up", lambda *a, **k: None, raising=False)
     assert main(["serve", "--preset", "debug", "--max-num-seqs", "2", "--max-model-len", "64",
                  "--kv-cache-dtype", "bfloat16", "--port", "18431"]) == 0
     out = capsys.readouterr().out
@@ -105,10 +106,29 @@ def test_auto_takes_the_scheme_nearest_a_gguf_files_own(tmp_path, monkeypatch, k
         monkeypatch.setattr(vnni, "vnni_int8_available", lambda: False)
         assert resolve_quantize(load_model(path)[0], "auto")[0] == scheme
     if scheme != "none":
-        # off the CPU, auto keeps the float weights and says why (an explicit scheme errs)
+        # off the CPU, auto (and a named scheme) keeps the float weights and says why
         fresh, _ = load_model(path)
         got, why = resolve_quantize(fresh.to("meta"), "auto")
         assert got == "none" and kind in why and "CPU only" in why
+        got, why = resolve_quantize(fresh, "int4")
+        assert got == "none" and "--quantize int4" in why and "CPU only" in why
+
+
+def test_a_scheme_this_cpu_cannot_run_falls_back_with_the_reason(monkeypatch):
+    from rich.console import Console
+
+    import hyla.model.vnni_int8 as vnni
+    from hyla.cli.model_flags import apply_quantize, resolve_quantize
+
+    model = HylaLM(preset("debug")).eval()
+    monkeypatch.setattr(vnni, "vnni_int8_available", lambda: False)
+    got, why = resolve_quantize(model, "int4-a8")
+    assert got == "int4" and "AVX512-VNNI" in why and "16-bit activations" in why
+    said = io.StringIO()
+    apply_quantize(model, type("A", (), {"quantize": "int8-a8"})(), Console(file=said))
+    assert model.quantized == "int8" and "int8-a8" in said.getvalue()
+    monkeypatch.setattr(vnni, "vnni_int8_available", lambda: True)
+    assert resolve_quantize(HylaLM(preset("debug")), "int4-a8") == ("int4-a8", "")
 
 
 def test_auto_leaves_a_float_checkpoint_float(capsys, checkpoint):

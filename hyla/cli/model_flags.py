@@ -31,29 +31,42 @@ def add_quantize(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_quantize(model, scheme: str) -> tuple[str, str]:
-    """(the scheme ``--quantize scheme`` means for ``model``, why, for ``auto``): ``auto`` is
-    the scheme nearest a GGUF file's own weights (``model.source_quantization``, set by the
-    GGUF loader) where the model is on a CPU, else ``none``; with 8-bit activations
-    (``-a8``) where the CPU has VNNI."""
-    if scheme != "auto":
-        return scheme, ""
-    kind, nearest = getattr(model, "source_quantization", ("", "none"))
-    if nearest == "none":
-        return "none", ""
-    first = next(model.parameters(), None)
-    if first is not None and first.device.type != "cpu":
-        return "none", (f"--quantize auto: the file's {kind} weights kept in float on "
-                        f"{first.device.type} (the quantised kernels are CPU only)")
+    """(the scheme ``--quantize scheme`` runs for ``model``, why, where it is not the one
+    asked): ``auto`` is the scheme nearest a GGUF file's own weights
+    (``model.source_quantization``, set by the GGUF loader), with 8-bit activations
+    (``-a8``) where the CPU has VNNI. A scheme the machine cannot run falls back, with the
+    reason, rather than failing: off the CPU to ``none`` (the quantised kernels are CPU
+    only), ``-a8`` without VNNI to its weights' scheme with 16-bit activations."""
     from hyla.model.vnni_int8 import vnni_int8_available
 
-    if vnni_int8_available():
-        # llama.cpp multiplies its 4- and 8-bit blocks by activations quantised to 8 bits
-        # (Q8_1, Q8_0); -a8 does the same in decode batches, rotated, for +0.11% perplexity
-        # on SmolLM2 and half the int8 work of 16-bit activations (docs/serving.md)
-        return f"{nearest}-a8", (f"--quantize auto: {nearest}-a8, nearest the file's {kind} "
-                                 f"weights (8-bit activations in decode batches, as "
-                                 f"llama.cpp runs them)")
-    return nearest, f"--quantize auto: nearest the file's {kind} weights"
+    if scheme == "none":
+        return scheme, ""
+    first = next(model.parameters(), None)
+    if first is not None and first.device.type != "cpu":
+        kind, nearest = getattr(model, "source_quantization", ("", "none"))
+        if scheme == "auto" and nearest == "none":
+            return "none", ""
+        what = f"the file's {kind} weights" if scheme == "auto" else "the weights"
+        return "none", (f"--quantize {scheme}: {what} kept in float on "
+                        f"{first.device.type} (the quantised kernels are CPU only)")
+    if scheme == "auto":
+        kind, nearest = getattr(model, "source_quantization", ("", "none"))
+        if nearest == "none":
+            return "none", ""
+        if vnni_int8_available():
+            # llama.cpp multiplies its 4- and 8-bit blocks by activations quantised to 8
+            # bits (Q8_1, Q8_0); -a8 does the same in decode batches, rotated, for +0.11%
+            # perplexity on SmolLM2 and half the int8 work of 16-bit activations
+            return f"{nearest}-a8", (f"--quantize auto: {nearest}-a8, nearest the file's "
+                                     f"{kind} weights (8-bit activations in decode batches, "
+                                     f"as llama.cpp runs them)")
+        return nearest, f"--quantize auto: nearest the file's {kind} weights"
+    if scheme.endswith("-a8") and not vnni_int8_available():
+        plain = scheme.removesuffix("-a8")
+        return plain, (f"--quantize {scheme}: this CPU (or torch build) has no AVX512-VNNI "
+                       f"for fbgemm's int8 x int8 products, so {plain} with 16-bit "
+                       f"activations instead")
+    return scheme, ""
 
 
 def apply_quantize(model, args: argparse.Namespace, out: Console | None = None):
