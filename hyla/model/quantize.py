@@ -149,17 +149,22 @@ class WeightOnlyLinear(nn.Module):
             dense = self.__dict__["_dense_bf16"] = self.dequantized(torch.bfloat16)
         return dense
 
+    def int8_products_from(self) -> int:
+        """From how many rows fbgemm's int8 products take this layer's matmul (up to
+        ``KERNEL_MAX_ROWS``; more than that: never, so its int8 copy is never made)."""
+        if self.exact_int8_rows:
+            return min(self.vnni_min_rows, fbgemm_min_rows())
+        if vnni_int8_available():
+            return self.vnni_min_rows
+        # requantised codes and a 7-bit grid: +1.5% perplexity for 11% speed
+        return KERNEL_MAX_ROWS + 1
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0]
         # dtype checks before .to: a no-op conversion still costs a dispatch (~1 us), and a
         # decode step makes hundreds of these calls
-        if self.exact_int8_rows:
-            least = min(self.vnni_min_rows, fbgemm_min_rows())
-        elif vnni_int8_available():
-            least = self.vnni_min_rows
-        else:   # requantised codes and a 7-bit grid: +1.5% perplexity for 11% speed
-            least = KERNEL_MAX_ROWS + 1
+        least = self.int8_products_from()
         # (not more rows: fbgemm's int8 GEMM with the residual rows took 12.1 s against 9.8 s
         # for fp32 GEMMs on Granite-4.0-H-350M's 1K-token prefill, this AVX2 EPYC)
         if least <= rows <= KERNEL_MAX_ROWS and int8_products_available():
@@ -417,7 +422,9 @@ def prepare_copies(model: nn.Module) -> int:
     int8_products_available(), fbgemm_min_rows(), _dense_in_bf16(), _int4_layout_known()
     layers = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
     for m in layers:
-        if int8_products_available():
+        # only where forward takes them: without VNNI, int4 layers' requantised codes never
+        # do, and their copies cost SmolLM2 ~215 MB for nothing (this AVX2 EPYC)
+        if int8_products_available() and m.int8_products_from() <= KERNEL_MAX_ROWS:
             m.vnni_matmul()
             if m.activation_bits == 8:
                 m.vnni_matmul(eight_bit=True)

@@ -146,7 +146,12 @@ def test_prepare_copies_makes_ahead_what_first_use_would_make():
     assert prepare_copies(model) == len(layers)    # the same, made ahead
     dense = _dense_in_bf16() and _int4_layout_known()
     assert all(("_dense_bf16" in m.__dict__) == dense for m in layers)
-    assert all(("_vnni" in m.__dict__) == int8_products_available() for m in layers)
+    # the int8 copy only where forward takes it (without VNNI, int4 layers' never are)
+    lazy_layers = [m for m in lazy.modules() if isinstance(m, WeightOnlyLinear)]
+    made = [("_vnni" in m.__dict__) for m in layers]
+    assert made == [("_vnni" in m.__dict__) for m in lazy_layers]
+    assert made == [int8_products_available() and m.int8_products_from() <= KERNEL_MAX_ROWS
+                    for m in layers]
     after = model(ids), model(ids[:, :5])
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
