@@ -1,20 +1,25 @@
 """``hyla serve`` answers a healthy ``/health`` within seconds of its launch.
 
 ``--rounds`` launches of ``hyla serve --checkpoint SOURCE --threads 1``: seconds to the first
-answer of ``/health`` and to its first 200, then ``load_model`` alone in a fresh process;
+answer of ``/health`` and to its first 200, the server's resident memory ``SETTLE`` seconds
+later (its quantised layers' copies made, no request served), then ``load_model`` alone in a
+fresh process;
 ``--compare REV`` launches that revision's ``hyla`` in alternating rounds. ``--quick``: 1 round.
 """
 
 import os
+import pathlib
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 from benchmarks.serve_common import hyla_serve, revision_tree, server, tree_env
 
 LOAD = ("import time, torch; torch.set_num_threads(1); from hyla.model.load import load_model;"
         "t = time.perf_counter(); load_model({!r}); print(time.perf_counter() - t)")
+SETTLE = 5.0
 
 
 def add_args(p) -> None:
@@ -23,11 +28,13 @@ def add_args(p) -> None:
 
 
 def launch(source: str, tree=None) -> dict:
-    with server(hyla_serve(source), tree) as (_, _, first, healthy):
-        pass
+    with server(hyla_serve(source), tree) as (proc, _, first, healthy):
+        time.sleep(SETTLE)
+        status = pathlib.Path(f"/proc/{proc.pid}/status").read_text()
+        rss = int(status.split("VmRSS:")[1].split()[0]) / 1024
     load = subprocess.run([sys.executable, "-c", LOAD.format(source)], check=True,
                           capture_output=True, text=True, env=tree_env(tree), cwd=tree)
-    return {"first_answer_s": first, "healthy_s": healthy,
+    return {"first_answer_s": first, "healthy_s": healthy, "rss_settled_mb": rss,
             "load_model_s": float(load.stdout.split()[-1]), "load_average_1m": os.getloadavg()[0]}
 
 
@@ -41,5 +48,5 @@ def main(run) -> None:
             for k, rs in runs.items()]
     run.table(f"hyla serve --checkpoint {a.checkpoint}: start-up (s), medians", rows)
     run.save(rows, runs=runs, checkpoint=a.checkpoint, nice=os.nice(0), summary="; ".join(
-        f"{r['tree']}: load_model {r['load_model_s']:.1f} s, healthy after {r['healthy_s']:.1f} s"
-        for r in rows))
+        f"{r['tree']}: load_model {r['load_model_s']:.1f} s, healthy after {r['healthy_s']:.1f} s, "
+        f"{r['rss_settled_mb']:.0f} MB resident" for r in rows))
