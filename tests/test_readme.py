@@ -63,7 +63,7 @@ TINY = {
     ("profile",): {"--preset": "debug", "--quick": None},
     ("distill",): {"--stage1-steps": "1", "--stage2-steps": "1", "--seq-len": "32",
                    "--batch-size": "1", "--eval-batches": "1", "--report-tokens": "0",
-                   "--no-progress": None},
+                   "--chat-data": "2", "--no-progress": None},
     ("serve",): {"--threads": "1", "--max-model-len": "256"},
     ("cluster",): {"--preset": "debug", "--threads": "1", "--max-model-len": "256"},
 }
