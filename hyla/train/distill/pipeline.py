@@ -22,6 +22,7 @@ The loop is :class:`hyla.train.loop.Loop`; the stages are its objectives
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import pathlib
@@ -121,6 +122,8 @@ class Distiller:
                                   command="hyla distill") if resume else None)
         if state is not None:
             cfg = state["cfg"]
+            if cfg.chat_data is None:       # saved before --chat-data: it had none
+                cfg = dataclasses.replace(cfg, chat_data=0)
         if not cfg.teacher:
             raise ValueError("--teacher is required (the all-attention model to distil)")
         self.log = log or (lambda _line: None)
