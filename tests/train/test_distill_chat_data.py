@@ -106,3 +106,26 @@ def test_bad_chat_settings_are_named():
         DistillConfig(teacher="t", chat_share=1.5)
     with pytest.raises(ValueError, match="chat-data"):
         DistillConfig(teacher="t", chat_data=-1)
+
+
+@needs_smollm2
+def test_a_run_saved_before_chat_data_resumes_without_it(teacher, chat_tokenizer, tmp_path):
+    from hyla.train.distill.config import DistillConfig
+    from hyla.train.distill.pipeline import Distiller
+
+    save_checkpoint(teacher, tmp_path / "teacher", chat_tokenizer)
+    run = tmp_path / "run"
+    cfg = DistillConfig(teacher=str(tmp_path / "teacher"), recipe="qwen3.5", out=str(run),
+                        seq_len=48, stage1_steps=1, stage2_steps=2, eval_batches=1,
+                        report_tokens=0, chat_data=0, save_every=1)
+    Distiller(cfg).fit(progress=False, until=2)
+    saved = list(run.glob("ckpt-*/train_state.pt"))
+    assert saved
+    for state_file in saved:            # as a run from before --chat-data saved it
+        state = torch.load(state_file, weights_only=True)
+        del state["cfg"]["chat_data"]
+        torch.save(state, state_file)
+    lines = []
+    again = Distiller(resume=str(run), log=lines.append)
+    assert again.cfg.chat_data == 0 and again.documents is None      # not the recipe's 192
+    assert not (run / "chat_data.json").exists()
