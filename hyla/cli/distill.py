@@ -149,11 +149,11 @@ def cmd_distill(args: argparse.Namespace, out: Console) -> int:
     from hyla.train.distill import Distiller
 
     if args.resume:
-        distiller = Distiller(resume=args.resume, log=out.print)
+        distiller = Distiller(resume=args.resume, log=out.print, answer=engine_answers)
     else:
         names = {f.name for f in dataclasses.fields(DistillConfig)}
         cfg = DistillConfig(**{k: v for k, v in vars(args).items() if k in names})
-        distiller = Distiller(cfg, log=out.print)
+        distiller = Distiller(cfg, log=out.print, answer=engine_answers)
     cfg, student = distiller.cfg, distiller.model
     out.print(f"distilling {cfg.teacher} ({distiller.teacher.num_parameters():,} parameters) "
               f"into {student.num_parameters():,} parameters, {student.cfg.n_kv_heads} KV "
@@ -180,3 +180,18 @@ def cmd_export(args: argparse.Namespace, out: Console) -> int:
         target = export_hf(model, tok, args.out, fmt=args.format)
     out.print(f"wrote {target} ({args.format}, {model.num_parameters():,} parameters)")
     return 0
+
+
+def engine_answers(teacher, prompts: list[list[int]], max_tokens: int,
+                   stop_ids: tuple[int, ...]) -> list[list[int]]:
+    """The teacher's greedy answers to ``prompts``, 16 at a time in hyla's serving engine
+    (``hyla distill --chat-data``: about 2x faster than one at a time)."""
+    from hyla.serve.engine import Engine, EngineConfig
+    from hyla.serve.sequence import SamplingParams
+
+    engine = Engine(teacher, None, EngineConfig(
+        max_num_seqs=16, max_model_len=max(map(len, prompts)) + max_tokens + 8))
+    done = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                   stop_token_ids=stop_ids))
+    return [d.output_ids for d in done]
+

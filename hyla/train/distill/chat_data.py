@@ -6,8 +6,8 @@ distils on instruction data (Alpaca) and Mamba-in-the-Llama on the teacher's own
 outputs; with no data set to download here, hyla makes that data: requests built from the
 functions of the Python standard library's training split (write a function from its
 docstring, explain a function, document a piece of code), each answered by the teacher
-(greedy, batched in hyla's engine) in its chat template. The functions the generation
-evaluation asks for (:mod:`hyla.eval.writing_tasks`) are left out.
+(greedy; ``hyla distill`` batches them in hyla's engine) in its chat template. The functions
+the generation evaluation asks for (:mod:`hyla.eval.writing_tasks`) are left out.
 
 Example:
     >>> asks = requests(4, seed=0)
@@ -86,12 +86,11 @@ def requests(n: int, seed: int = 0) -> list[str]:
 
 
 def teacher_conversations(teacher, tokenizer, asks: list[str], *, max_tokens: int = 256,
-                          batch: int = 16) -> list[str]:
+                          answer=None) -> list[str]:
     """Each request and the teacher's greedy answer, as text in the teacher's chat template
-    (ValueError when the tokenizer has none)."""
-    from hyla.serve.engine import Engine, EngineConfig
-    from hyla.serve.sequence import SamplingParams
-
+    (ValueError when the tokenizer has none). ``answer(teacher, prompts, max_tokens,
+    stop_ids) -> [new ids]`` answers a batch (``hyla distill`` passes one through the
+    serving engine, which batches them); None: one at a time."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the teacher's tokenizer has no chat template: teacher conversations "
                          "need one (use --chat-data 0)")
@@ -99,17 +98,19 @@ def teacher_conversations(teacher, tokenizer, asks: list[str], *, max_tokens: in
     ids = [tokenizer.encode(p) for p in prompts]
     stops = tuple({getattr(tokenizer, "eos_id", None), *getattr(tokenizer, "stop_ids", ())}
                   - {None})
-    engine = Engine(teacher, None, EngineConfig(max_num_seqs=batch, max_model_len=max(
-        map(len, ids)) + max_tokens + 8))
-    done = engine.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                               stop_token_ids=stops))
+    if answer is None:
+        from hyla.model.generate import generate
+
+        outs = [generate(teacher, p, max_tokens, temperature=0.0, stop_ids=stops) for p in ids]
+    else:
+        outs = answer(teacher, ids, max_tokens, stops)
     end = tokenizer.decode([stops[0]]) if stops else ""
-    return [p + tokenizer.decode(d.output_ids) + end for p, d in zip(prompts, done,
-                                                                      strict=True)]
+    return [p + tokenizer.decode([t for t in o if t not in stops]) + end
+            for p, o in zip(prompts, outs, strict=True)]
 
 
 def load_or_make(path: pathlib.Path, teacher, tokenizer, n: int, seed: int,
-                 log=lambda _line: None) -> list[str]:
+                 log=lambda _line: None, answer=None) -> list[str]:
     """The ``n`` teacher conversations saved at ``path`` (a JSON list), made and saved there
     first when absent or of another count (a resumed run reads what its first part made)."""
     if path.is_file():
@@ -117,7 +118,7 @@ def load_or_make(path: pathlib.Path, teacher, tokenizer, n: int, seed: int,
         if isinstance(saved, list) and len(saved) == n:
             return saved
     log(f"the teacher answers {n} requests (its chat data)")
-    chats = teacher_conversations(teacher, tokenizer, requests(n, seed))
+    chats = teacher_conversations(teacher, tokenizer, requests(n, seed), answer=answer)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(chats), encoding="utf-8")
     tmp.replace(path)

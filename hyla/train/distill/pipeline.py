@@ -115,7 +115,7 @@ class Distiller:
     """
 
     def __init__(self, cfg: DistillConfig | None = None, resume: str | None = None, *,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, answer: Callable | None = None):
         if cfg is None and resume is None:
             raise ValueError("Distiller needs a DistillConfig or resume=DIR")
         state = (load_train_state(pathlib.Path(resume), config_type=DistillConfig,
@@ -127,6 +127,7 @@ class Distiller:
         if not cfg.teacher:
             raise ValueError("--teacher is required (the all-attention model to distil)")
         self.log = log or (lambda _line: None)
+        self.answer = answer      # how the teacher answers its chat data (chat_data.py)
         self.out = run_dir_of(resume) if resume else pathlib.Path(cfg.out)
         self.phases: dict[str, float] = {}
         if state is not None and (self.out / "phases.json").is_file():     # earlier sessions
@@ -214,7 +215,8 @@ class Distiller:
             return None
         with self._phase("chat_data"):
             chats = chat_data.load_or_make(self.out / "chat_data.json", self.teacher,
-                                           self.tokenizer, cfg.chat_data, cfg.seed, self.log)
+                                           self.tokenizer, cfg.chat_data, cfg.seed, self.log,
+                                           self.answer)
         return chat_data.mixture(chats, self.tokenizer, cfg.chat_share, files, cfg.seed)
 
     @contextlib.contextmanager
