@@ -60,6 +60,17 @@ def test_the_teacher_answers_in_its_chat_template(teacher, chat_tokenizer):
         chat_data.teacher_conversations(teacher, ByteTokenizer(), ["Say hi."])
 
 
+def tiny_run(teacher, tokenizer, tmp_path, *, chat_data: int):
+    """A 1 + 2-step qwen3.5 distillation of ``teacher`` (saved with ``tokenizer``) into
+    ``tmp_path / "run"``, a checkpoint every step."""
+    from hyla.train.distill.config import DistillConfig
+
+    save_checkpoint(teacher, tmp_path / "teacher", tokenizer)
+    return DistillConfig(teacher=str(tmp_path / "teacher"), recipe="qwen3.5",
+                         out=str(tmp_path / "run"), seq_len=48, stage1_steps=1, stage2_steps=2,
+                         eval_batches=1, report_tokens=0, chat_data=chat_data, save_every=1)
+
+
 @needs_smollm2
 def test_the_mixture_holds_the_asked_share(chat_tokenizer):
     chats = ["<|im_start|>user\nhello<|im_end|>\n" * 200] * 20
@@ -75,14 +86,10 @@ def test_the_mixture_holds_the_asked_share(chat_tokenizer):
 
 @needs_smollm2
 def test_a_run_makes_its_chat_data_once_and_resumes_with_it(teacher, chat_tokenizer, tmp_path):
-    from hyla.train.distill.config import DistillConfig
     from hyla.train.distill.pipeline import Distiller
 
-    save_checkpoint(teacher, tmp_path / "teacher", chat_tokenizer)
     run = tmp_path / "run"
-    cfg = DistillConfig(teacher=str(tmp_path / "teacher"), recipe="qwen3.5", out=str(run),
-                        seq_len=48, stage1_steps=1, stage2_steps=2, eval_batches=1,
-                        report_tokens=0, chat_data=3, save_every=1)
+    cfg = tiny_run(teacher, chat_tokenizer, tmp_path, chat_data=3)
     lines = []
     first = Distiller(cfg, log=lines.append)
     assert first.documents[:3] == json.loads((run / "chat_data.json").read_text())
@@ -110,14 +117,10 @@ def test_bad_chat_settings_are_named():
 
 @needs_smollm2
 def test_a_run_saved_before_chat_data_resumes_without_it(teacher, chat_tokenizer, tmp_path):
-    from hyla.train.distill.config import DistillConfig
     from hyla.train.distill.pipeline import Distiller
 
-    save_checkpoint(teacher, tmp_path / "teacher", chat_tokenizer)
     run = tmp_path / "run"
-    cfg = DistillConfig(teacher=str(tmp_path / "teacher"), recipe="qwen3.5", out=str(run),
-                        seq_len=48, stage1_steps=1, stage2_steps=2, eval_batches=1,
-                        report_tokens=0, chat_data=0, save_every=1)
+    cfg = tiny_run(teacher, chat_tokenizer, tmp_path, chat_data=0)
     Distiller(cfg).fit(progress=False, until=2)
     saved = list(run.glob("ckpt-*/train_state.pt"))
     assert saved
