@@ -12,6 +12,7 @@ import pathlib
 from rich.console import Console
 from rich.table import Table
 
+from hyla.data.tokenizer import stop_ids
 from hyla.model.config import PRESETS
 
 DEFAULT_BUDGET_GIB = 80.0  # one 80 GB accelerator: the usual unit of a serving replica
@@ -148,11 +149,6 @@ def check_sampling(args: argparse.Namespace) -> None:
         raise ValueError(f"top-p must be in (0, 1], got {args.top_p}")
 
 
-def stop_ids(tok) -> tuple[int, ...]:
-    """The ids that end a generation: the end-of-text token (as transformers' generate
-    stops) and the model's other stop ids."""
-    eos = getattr(tok, "eos_id", None)
-    return (() if eos is None else (eos,)) + tuple(getattr(tok, "stop_ids", ()))
 
 
 def generate_text(model, tok, prompt: str, args: argparse.Namespace, timing=None) -> str:

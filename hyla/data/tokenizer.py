@@ -165,3 +165,10 @@ def load_tokenizer(directory) -> ByteTokenizer | BPETokenizer:
                          f"tokens, which needs its own tokenizer (the byte tokenizer serves "
                          f"{ByteTokenizer.vocab_size}-token vocabularies only)")
     return ByteTokenizer()
+
+
+def stop_ids(tok) -> tuple[int, ...]:
+    """The ids that end a generation, the end-of-text token first (as transformers'
+    generate stops), then the model's other stop ids."""
+    eos = getattr(tok, "eos_id", None)
+    return (() if eos is None else (eos,)) + tuple(getattr(tok, "stop_ids", ()))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from hyla.data.tokenizer import stop_ids
 from hyla.eval import writing_tasks as items
 from hyla.eval.sandbox import Limits, run_python
 
@@ -124,8 +125,7 @@ def generation_eval(model, tokenizer, *, kinds: Sequence[str] = KINDS,
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
     chat = bool(getattr(tokenizer, "chat_template", None))
-    stops = tuple({getattr(tokenizer, "eos_id", None), *getattr(tokenizer, "stop_ids", ())}
-                  - {None}) if chat else ()
+    stops = stop_ids(tokenizer) if chat else ()
     cases = _cases(kinds, chat)
     if limit is not None:
         cases = [c for k in kinds for c in [c for c in cases if c["kind"] == k][:limit]]

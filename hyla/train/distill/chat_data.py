@@ -24,6 +24,7 @@ import pathlib
 import random
 
 from hyla.data.corpus import stdlib_files
+from hyla.data.tokenizer import stop_ids
 
 ASK_WRITE = ("Write a Python function `{name}({args})` that does what its docstring says: "
              "{doc} Reply with one code block.")
@@ -96,8 +97,7 @@ def teacher_conversations(teacher, tokenizer, asks: list[str], *, max_tokens: in
                          "need one (use --chat-data 0)")
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": a}]) for a in asks]
     ids = [tokenizer.encode(p) for p in prompts]
-    stops = tuple({getattr(tokenizer, "eos_id", None), *getattr(tokenizer, "stop_ids", ())}
-                  - {None})
+    stops = stop_ids(tokenizer)
     if answer is None:
         from hyla.model.generate import generate
 
