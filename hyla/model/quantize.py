@@ -149,6 +149,11 @@ class WeightOnlyLinear(nn.Module):
             dense = self.__dict__["_dense_bf16"] = self.dequantized(torch.bfloat16)
         return dense
 
+    def eight_bit_only(self) -> bool:
+        """Whether fbgemm takes only decode batches, 8-bit ("-a8" on requantised codes): the
+        layer then never makes the 16-bit copy."""
+        return self.activation_bits == 8 and not self.exact_int8_rows
+
     def int8_products_from(self) -> int:
         """From how many rows fbgemm's int8 products take this layer's matmul (up to
         ``KERNEL_MAX_ROWS``; more than that: never, so its int8 copy is never made)."""
@@ -165,14 +170,17 @@ class WeightOnlyLinear(nn.Module):
         # dtype checks before .to: a no-op conversion still costs a dispatch (~1 us), and a
         # decode step makes hundreds of these calls
         least = self.int8_products_from()
+        # "-a8" takes 8-bit activations in decode batches alone, where the throughput is:
+        # several sequences of one row each ([B, 1, in]). A prompt's rows keep 16 bits (they
+        # set the state every later token reads), from the layer's own weights: a 16-bit
+        # fbgemm copy for them alone cost SmolLM2 106 MB for short prompts' speed.
+        decode_batch = rows > 1 and x.dim() > 1 and x.shape[-2] == 1
+        eight_bit = self.activation_bits == 8 and decode_batch
         # (not more rows: fbgemm's int8 GEMM with the residual rows took 12.1 s against 9.8 s
         # for fp32 GEMMs on Granite-4.0-H-350M's 1K-token prefill, this AVX2 EPYC)
-        if least <= rows <= KERNEL_MAX_ROWS and int8_products_available():
-            # "-a8" takes 8-bit activations in decode batches alone, where the throughput
-            # is: several sequences of one row each ([B, 1, in]). A prompt's rows keep 16
-            # bits: they set the state every later token reads.
-            decode_batch = rows > 1 and x.dim() > 1 and x.shape[-2] == 1
-            y = self.vnni_matmul(self.activation_bits == 8 and decode_batch)(flat)
+        if least <= rows <= KERNEL_MAX_ROWS and int8_products_available() and (
+                eight_bit or not self.eight_bit_only()):
+            y = self.vnni_matmul(eight_bit)(flat)
         elif rows >= DENSE_BF16_MIN_ROWS and _dense_in_bf16() and _int4_layout_known():
             y = F.linear(flat if flat.dtype is torch.bfloat16 else flat.to(torch.bfloat16),
                          self.dense_bf16())
@@ -421,14 +429,18 @@ def prepare_copies(model: nn.Module) -> int:
     # the checks forward makes, answered now: a compiled step then sees constants
     int8_products_available(), fbgemm_min_rows(), _dense_in_bf16(), _int4_layout_known()
     layers = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
+    output = getattr(model, "lm_head", None)
     for m in layers:
         # only where forward takes them: without VNNI, int4 layers' requantised codes never
         # do, and their copies cost SmolLM2 ~215 MB for nothing (this AVX2 EPYC)
         if int8_products_available() and m.int8_products_from() <= KERNEL_MAX_ROWS:
-            m.vnni_matmul()
+            if not m.eight_bit_only():
+                m.vnni_matmul()
             if m.activation_bits == 8:
                 m.vnni_matmul(eight_bit=True)
-        if _dense_in_bf16() and _int4_layout_known():
+        # not the output layer's: a prompt needs its logits at the last row alone (scored
+        # prompts make it on first use); SmolLM2's cost 57 MB
+        if _dense_in_bf16() and _int4_layout_known() and m is not output:
             m.dense_bf16()
     release_freed_memory()        # codes the packed copies replaced (Int8Linear.vnni_matmul)
     return len(layers)
@@ -451,6 +463,14 @@ def quantize_model(model: nn.Module, scheme: str, *, group: int = INT4_GROUP) ->
 
     Raises ValueError naming the scheme for an unknown scheme or a device without kernels.
     """
+    report = _quantize_in_place(model, scheme, group)
+    # the float weights just dropped, once nothing of the work holds them (its locals kept
+    # SmolLM2's 113 MB float embedding alive): give their pages back
+    release_freed_memory()
+    return report
+
+
+def _quantize_in_place(model: nn.Module, scheme: str, group: int) -> QuantReport:
     if scheme not in SCHEMES:
         raise ValueError(f"--quantize: unknown scheme {scheme!r}; choose from {SCHEMES}")
     before = _tensor_bytes(model)
@@ -510,5 +530,4 @@ def quantize_model(model: nn.Module, scheme: str, *, group: int = INT4_GROUP) ->
                 m.activation_bits = 8
     model.requires_grad_(False)
     model.quantized = scheme  # what checkpoint writers and trainers check before they run
-    release_freed_memory()    # the float weights just dropped: give their pages back
     return QuantReport(scheme, replaced, int4, before, _tensor_bytes(model))

@@ -16,7 +16,7 @@ from hyla.model.quantize import (
     prepare_copies,
     quantize_model,
 )
-from hyla.model.vnni_int8 import int8_products_available
+from hyla.model.vnni_int8 import int8_products_available, vnni_int8_available
 
 
 def test_int8_linear_is_its_dequantised_weight():
@@ -145,7 +145,9 @@ def test_prepare_copies_makes_ahead_what_first_use_would_make():
     layers = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
     assert prepare_copies(model) == len(layers)    # the same, made ahead
     dense = _dense_in_bf16() and _int4_layout_known()
-    assert all(("_dense_bf16" in m.__dict__) == dense for m in layers)
+    # not the output layer's: prompts need its logits at their last rows alone
+    assert all(("_dense_bf16" in m.__dict__) == (dense and m is not model.lm_head)
+               for m in layers)
     # the int8 copy only where forward takes it (without VNNI, int4 layers' never are)
     lazy_layers = [m for m in lazy.modules() if isinstance(m, WeightOnlyLinear)]
     made = [("_vnni" in m.__dict__) for m in layers]
@@ -154,6 +156,24 @@ def test_prepare_copies_makes_ahead_what_first_use_would_make():
                     for m in layers]
     after = model(ids), model(ids[:, :5])
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+@pytest.mark.skipif(not vnni_int8_available(), reason="8-bit activations need VNNI")
+def test_eight_bit_activations_keep_no_16_bit_copy_of_int4_layers():
+    """-a8: fbgemm takes decode batches alone, on the rotated 8-bit copy; prompts' rows run on
+    the layer's own weights, so the 16-bit fbgemm copy is never made."""
+    torch.manual_seed(0)
+    model = HylaLM(preset("debug")).eval()
+    quantize_model(model, "int4-a8")
+    ids = torch.randint(0, 256, (1, 5))
+    prompt = model(ids)
+    prepare_copies(model)
+    int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    assert int4 and not any("_vnni" in m.__dict__ for m in int4)
+    assert all("_vnni8" in m.__dict__ for m in int4)
+    assert torch.equal(model(ids), prompt)
+    step = model(ids[0, :4, None])                   # a decode batch: 4 rows of one token
+    assert torch.isfinite(step).all() and not any("_vnni" in m.__dict__ for m in int4)
 
 
 def test_a_tied_output_layer_and_embedding_share_their_int8_codes():

@@ -156,6 +156,9 @@ def test_a8_schemes_decode_batches_through_rotated_8_bit_products(weights):
     Q.quantize_model(ref, weights)
     Q.quantize_model(model, f"{weights}-a8")
     assert model.quantized == f"{weights}-a8"
+    for m in ref.modules():
+        if isinstance(m, Q.WeightOnlyLinear) and not m.exact_int8_rows:
+            m.vnni_min_rows = Q.KERNEL_MAX_ROWS + 1         # its own weights for any rows
     logits, want = [], []
     for m, out in [(model, logits), (ref, want)]:
         states = [m.new_state(), m.new_state()]
@@ -165,7 +168,9 @@ def test_a8_schemes_decode_batches_through_rotated_8_bit_products(weights):
     assert all(m.activation_bits == 8 for m in layers)
     rotated = [m.__dict__["_vnni8"] for m in layers if "_vnni8" in m.__dict__]
     assert rotated and all(v.rotation is not None and not v.residual for v in rotated)
-    # a prompt's rows keep 16 bits on the plain copy: the prompt's logits are int4's own
+    # a prompt's rows keep 16 bits, on the layers' own weights (the 16-bit fbgemm copy is
+    # never made): the plain scheme's logits where it too keeps fbgemm off them
+    assert not any("_vnni" in m.__dict__ for m in layers if not m.exact_int8_rows)
     assert all(torch.equal(a, b) for a, b in zip(logits[0], want[0], strict=True))
     # the decode batch: the same model's logits but for 8 bits of activations
     assert (logits[1] - want[1]).norm() < 0.05 * want[1].norm()
