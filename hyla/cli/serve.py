@@ -198,10 +198,14 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     from hyla.serve.memory_report import rss_bytes
+    from hyla.serve.startup import StartupClock
 
+    clock = StartupClock()
     rss_before_model = rss_bytes()
     model, tok, name = load_model(args, out)
+    clock.mark("loading")
     model = apply_quantize(model.to(serve_dtype(args.dtype, model.anchor)), args, out)
+    clock.mark("quantising")
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=not args.no_prefix_caching,
@@ -241,9 +245,10 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
     server.append(uvicorn.Server(server_config(
         app, args.host, args.port, limits, log_level=args.log_level,
         timeout_graceful_shutdown=3)))
+    clock.mark("the engine and server")
     threading.Thread(target=warm_up, args=(async_engine, args, out, ready, on_dead),
-                     kwargs={"rss_before_model": rss_before_model}, name="hyla-warmup",
-                     daemon=True).start()
+                     kwargs={"rss_before_model": rss_before_model, "clock": clock},
+                     name="hyla-warmup", daemon=True).start()
     try:
         server[0].run()
     finally:
@@ -255,7 +260,7 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
 
 
 def warm_up(async_engine, args: argparse.Namespace, out: Console, ready: threading.Event,
-            on_failure, *, rss_before_model: int = 0) -> None:
+            on_failure, *, rss_before_model: int = 0, clock=None) -> None:
     """The server's warm-up, on its own thread while ``/health`` says "starting" (requests
     wait for ``ready``): with ``--cuda-graphs`` every decode shape captured, so no request
     waits on it; then one tiny request, so first-call costs (allocator, kernels) land on no
@@ -268,7 +273,8 @@ def warm_up(async_engine, args: argparse.Namespace, out: Console, ready: threadi
     share the interpreter); ``/health`` lists the widths built. A width that fails to
     compile stays eager. In between, the resident memory's breakdown is logged
     (:mod:`hyla.serve.memory_report`; ``rss_before_model``: the resident set before the
-    model was loaded)."""
+    model was loaded), and with ``clock`` (a :class:`~hyla.serve.startup.StartupClock`),
+    where the start-up's time went."""
     import asyncio
 
     from hyla.serve.metrics import EngineMetrics
@@ -291,6 +297,9 @@ def warm_up(async_engine, args: argparse.Namespace, out: Console, ready: threadi
         on_failure(e)
         return
     ready.set()
+    if clock is not None:
+        clock.mark("warm-up")
+        out.print(clock.describe())
     if getattr(engine.model, "quantized", None):
         # the quantised layers' other copies (about a second), once the server is ready
         from hyla.model.quantize import prepare_copies

@@ -175,3 +175,20 @@ def test_quantised_weights_count_as_quantised_and_each_storage_once():
     assert after["quantised"] > 0 and after["float"] + after["quantised"] < before["float"]
     model.tied = model.norm.weight          # a second name for one storage adds nothing
     assert tensor_bytes(model) == after
+
+
+def test_the_warm_up_logs_where_the_start_up_time_went(engine):
+    from hyla.serve.startup import StartupClock, process_age_s
+
+    age = process_age_s()
+    assert age is not None and age > 0      # this process started before the test ran
+    clock = StartupClock()
+    assert clock.phases[0][0] == "Python and imports" and clock.phases[0][1] >= age
+    clock.mark("loading")
+    log = Console(record=True, width=300)
+    warm_up(engine, argparse.Namespace(compile=False, cuda_graphs=False), log,
+            threading.Event(), [].append, clock=clock)
+    line = next(x for x in log.export_text().splitlines() if x.startswith("ready in "))
+    assert [p for p, _ in clock.phases] == ["Python and imports", "loading", "warm-up"]
+    total = float(line.split()[2])
+    assert abs(total - sum(s for _, s in clock.phases)) < 0.06 and "warm-up" in line
