@@ -305,7 +305,7 @@ def warm_up(async_engine, args: argparse.Namespace, out: Console, ready: threadi
         from hyla.model.quantize import prepare_copies
 
         prepare_copies(engine.model)       # before compiling: the graphs read them
-    from hyla.serve.memory_report import breakdown, describe
+    from hyla.serve.memory_report import breakdown, describe, rss_bytes
 
     out.print(describe(breakdown(engine, rss_before_model)))
     if args.compile and not args.cuda_graphs:
@@ -318,7 +318,16 @@ def warm_up(async_engine, args: argparse.Namespace, out: Console, ready: threadi
             out.print(f"[yellow]compiling decode failed ({e!r}); widths "
                       f"{sorted(engine.runner.built_widths)} compiled, the others eager[/]")
             return
-        out.print(f"compiled {built} decode graphs in {time.perf_counter() - began:.0f} s")
+        # what compiling freed (graphs traced and lowered, code generated): glibc keeps it
+        # otherwise (hyla.perf.tune_cpu_allocator)
+        import gc
+
+        from hyla.perf import release_freed_memory
+
+        gc.collect()
+        release_freed_memory()
+        out.print(f"compiled {built} decode graphs in {time.perf_counter() - began:.0f} s; "
+                  f"{rss_bytes() / 2**20:.0f} MB resident")
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:

@@ -45,6 +45,8 @@ def save_checkpoint(model: HylaLM, out_dir: str | os.PathLike,
     _atomic(out / WEIGHTS, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
     config = json.dumps(model.cfg.to_dict(), indent=2) + "\n"
     _atomic(out / CONFIG, lambda tmp: tmp.write_text(config, encoding="utf-8"))
+    if hasattr(tokenizer, "as_hf_tokenizer"):      # Kimi's tiktoken: as tokenizer.json
+        tokenizer = tokenizer.as_hf_tokenizer()
     if isinstance(tokenizer, BPETokenizer):
         _atomic(out / TOKENIZER, tokenizer.save)
     return out

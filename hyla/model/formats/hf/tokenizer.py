@@ -5,7 +5,8 @@ hyla keeps a tokenizer as a ``tokenizers`` JSON file whose end-of-document token
 (:class:`hyla.data.tokenizer.ByteTokenizer`, no file). What is supported:
 
 - import: ``tokenizer.json`` is required (a sentencepiece ``tokenizer.model`` alone is not
-  read) and is used as is (:class:`HFTokenizer`: the ids ``transformers`` gives, BOS
+  read; Kimi's ``tiktoken.model`` is: :mod:`hyla.model.formats.hf.tiktoken_tokenizer`)
+  and is used as is (:class:`HFTokenizer`: the ids ``transformers`` gives, BOS
   included, and the chat template of ``chat_template.jinja`` or ``tokenizer_config.json``).
   Documents end with the ``eos_token`` ``tokenizer_config.json`` names (Llama's ``</s>``),
   else the one ``config.json``'s ``eos_token_id`` names, else ``<|endoftext|>``; a file with
@@ -226,6 +227,8 @@ def load_hf_tokenizer(root: pathlib.Path, vocab_size: int | None, *, required: b
 
     root = pathlib.Path(root)
     path = root / "tokenizer.json"
+    if not path.is_file() and (root / "tiktoken.model").is_file():
+        return _load_tiktoken(root, vocab_size)
     if not path.is_file() and not required:
         log.warning("%s has no tokenizer.json: loaded without a tokenizer", root)
         return None
@@ -246,6 +249,19 @@ def load_hf_tokenizer(root: pathlib.Path, vocab_size: int | None, *, required: b
     return out
 
 
+def _load_tiktoken(root: pathlib.Path, vocab_size: int | None):
+    """Kimi's layout: ``tiktoken.model`` (:mod:`hyla.model.formats.hf.tiktoken_tokenizer`)."""
+    from hyla.model.formats.hf.tiktoken_tokenizer import load_tiktoken_tokenizer
+
+    tok_config = _read_object(root / "tokenizer_config.json")
+    eos_id = _read_object(root / "config.json").get("eos_token_id")
+    tok = load_tiktoken_tokenizer(root, vocab_size, config=tok_config,
+                                  chat_template=chat_template_of(root, tok_config),
+                                  config_eos_id=eos_id if isinstance(eos_id, int) else None)
+    tok.stop_ids = _end_ids(root, tok.eos_id, tok.vocab_size)
+    return tok
+
+
 def _end_ids(root: pathlib.Path, eos_id: int | None, n: int) -> tuple[int, ...]:
     """Every other id that ends a generation: ``generation_config.json``'s and
     ``config.json``'s ``eos_token_id`` (a model may list several: Qwen's chat models end a
@@ -264,6 +280,8 @@ def save_hf_tokenizer(tokenizer: BPETokenizer | ByteTokenizer | None, out: pathl
     A model loaded without a tokenizer (None) is written without one."""
     if tokenizer is None:
         return {}
+    if hasattr(tokenizer, "as_hf_tokenizer"):      # Kimi's tiktoken: as tokenizer.json
+        tokenizer = tokenizer.as_hf_tokenizer()
     if isinstance(tokenizer, BPETokenizer):
         tokenizer.save(out / "tokenizer.json")
         eos, eos_id = tokenizer.eos_token, tokenizer.eos_id
