@@ -42,6 +42,7 @@ from hyla.cli.model_flags import (
     add_kv_cache_memory,
     add_quantize,
     apply_quantize,
+    byte_size,
 )
 
 
@@ -109,6 +110,14 @@ def add_serve(sub) -> argparse.ArgumentParser:
                    help="queued requests before new ones get 429")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="turn off the prefix cache (shared KV blocks, GLA state snapshots)")
+    p.add_argument("--snapshot-interval", type=positive, default=256, metavar="TOKENS",
+                   help="a long prompt's fixed-size states (GLA, delta rule, Mamba) are "
+                        "snapshotted every TOKENS tokens, a multiple of 16, and at its last "
+                        "full block (default: %(default)s)")
+    p.add_argument("--prefix-cache-memory", type=byte_size, default=None, metavar="SIZE",
+                   help="bytes for those snapshots (2G, 512MB, or a fraction of RAM), least "
+                        "recently used evicted first (default: 8 per --max-num-seqs within 256 "
+                        "MiB, at least one per sequence)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--compile", action="store_true",
                       help="torch.compile the decode step, one graph a batch width, built in "
@@ -209,6 +218,8 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=not args.no_prefix_caching,
+                          snapshot_interval=args.snapshot_interval,
+                          prefix_cache_memory=args.prefix_cache_memory,
                           kv_cache_memory=args.kv_cache_memory,
                           kv_cache_dtype=args.kv_cache_dtype,
                           compile=args.compile, cuda_graphs=args.cuda_graphs,

@@ -62,9 +62,9 @@ class BlockManager:
         """``n`` blocks, each with ref_count 1; raises if fewer are free (check first).
 
         ``after``: the last block of the table these extend. The block after it is taken
-        first when it is free (and so on), so a sequence's blocks tend to be consecutive and
-        decode reads them in place as one view (:func:`hyla.ops.paged_attention.attend_spans`);
-        otherwise blocks come in reuse order.
+        first when it is free and not cached (and so on), so a sequence's blocks tend to be
+        consecutive and decode reads them in place as one view
+        (:func:`hyla.ops.paged_attention.attend_spans`); otherwise blocks come in reuse order.
 
         Example:
             >>> bm = BlockManager(num_blocks=8, block_size=16)
@@ -77,7 +77,9 @@ class BlockManager:
         out = []
         for _ in range(n):
             nxt = None if after is None else after + 1
-            if nxt is not None and nxt in self._free:
+            # not a cached block: taking it would evict a prefix (a chat's previous turn)
+            # while blocks nobody cached wait in the queue
+            if nxt is not None and nxt in self._free and self.block_hash[nxt] is None:
                 del self._free[nxt]
                 block = nxt
             else:

@@ -50,7 +50,8 @@ class EngineConfig:
     """Engine capacity and behaviour.
 
     ``num_kv_blocks`` defaults to enough blocks for ``max_num_seqs`` full-length sequences
-    (attention layers only); ``num_state_snapshots`` to ``max_num_seqs`` (GLA layers only).
+    (attention layers only); ``num_state_snapshots`` to 8 a slot within 256 MiB, at least
+    one a slot (fixed-size states only).
     ``compile``: run decode through ``torch.compile`` (``--eager`` turns it off).
     ``cuda_graphs``: replay each fixed decode shape as a captured CUDA graph (CUDA only;
     :meth:`Engine.warmup` captures them all before serving).
@@ -70,6 +71,9 @@ class EngineConfig:
     kv_cache_dtype: torch.dtype | str | None = None
     enable_prefix_caching: bool = True
     num_state_snapshots: int | None = None
+    # Bytes the prefix cache's state snapshots may take (``num_state_snapshots`` from it, at
+    # least one; least recently used evicted first). None: ``num_state_snapshots``.
+    prefix_cache_memory: int | None = None
     snapshot_interval: int = 256
     decode_widths: tuple[int, ...] | None = None
     compile: bool = False
@@ -83,6 +87,8 @@ class EngineConfig:
 
 
 KV_DTYPES = ("auto", "float32", "bfloat16")
+# the prefix cache's state snapshots by default (EngineConfig.prefix_cache_memory sets it)
+DEFAULT_SNAPSHOT_BYTES = 256 << 20
 
 
 def kv_dtype_for(model: HylaLM, choice: torch.dtype | str | None) -> torch.dtype:
@@ -188,8 +194,18 @@ class Engine:
         if blocks is None:
             blocks = kv_blocks_for(model, c) if has_attn else 0
         snaps = c.num_state_snapshots
-        if snaps is None:
-            snaps = c.max_num_seqs if has_gla and c.enable_prefix_caching else 0
+        one = sum(spec.fixed_bytes(model.anchor.dtype) for spec in model.state_specs)
+        if c.prefix_cache_memory is not None and has_gla:
+            snaps = max(1, c.prefix_cache_memory // one)
+        if snaps is None and has_gla and c.enable_prefix_caching:
+            # a few snapshots a slot (each conversation keeps its prompt's and its answer's):
+            # with one a slot, eight chats taking turns on four slots evicted each other's
+            # and never hit; at most DEFAULT_SNAPSHOT_BYTES, at least one a slot
+            snaps = max(c.max_num_seqs, min(8 * c.max_num_seqs, DEFAULT_SNAPSHOT_BYTES // one))
+        snaps = snaps or 0
+        if c.snapshot_interval < c.block_size or c.snapshot_interval % c.block_size:
+            raise ValueError(f"--snapshot-interval must be a multiple of the block size "
+                             f"({c.block_size}), got {c.snapshot_interval}")
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=c.max_model_len, block_size=c.block_size,

@@ -1,4 +1,4 @@
-"""Hybrid prefix cache: attention KV blocks by chained hashes, GLA states by snapshots.
+"""Hybrid prefix cache: attention KV blocks by chained hashes, fixed-size states by snapshots.
 
 A prompt is cut into full blocks of ``block_size`` tokens; block i's hash chains the hash of
 block i-1 with its tokens, so equal hashes mean equal prefixes. Attention layers can reuse
@@ -6,7 +6,12 @@ any prefix of cached KV blocks (partial match). GLA layers keep one matrix for t
 past, so they can only resume from a state *snapshotted at exactly that boundary*: the
 runner copies the state of a sequence into a snapshot slot when a prefill chunk ends at a
 snapshot boundary (every ``snapshot_interval`` tokens, and the prompt's last full block).
-A hit is the longest boundary for which every layer kind has what it needs. Pure Python.
+A hit is the longest boundary for which every layer kind has what it needs. Generated
+tokens count too: as a decoding sequence fills a block, the block joins the cache and the
+sequence's one rolling snapshot moves to its end (:meth:`PrefixCache.move_snapshot`), so a
+chat's next turn, which repeats the answer, resumes after it. "GLA" here stands for every
+layer whose state has a fixed size (gated delta rule, Mamba-2, convolution windows...): the
+runner snapshots all of them alike. Pure Python.
 """
 
 from __future__ import annotations
@@ -34,11 +39,23 @@ def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
         >>> len(a), a[0] == b[0], a[1] == b[1]
         (2, True, False)
     """
-    out, h = [], 0
-    for i in range(len(token_ids) // block_size):
+    return extend_hashes([], token_ids, block_size)
+
+
+def extend_hashes(hashes: list[int], token_ids: list[int], block_size: int) -> list[int]:
+    """``hashes`` (the chain of ``token_ids``' first blocks) extended, in place, to every
+    full block of ``token_ids``: a decoding sequence's chain grows as its blocks fill.
+
+    Example:
+        >>> h = block_hashes([1, 2, 3], 2)
+        >>> extend_hashes(h, [1, 2, 3, 4, 5, 6], 2) == block_hashes([1, 2, 3, 4, 5, 6], 2)
+        True
+    """
+    h = hashes[-1] if hashes else 0
+    for i in range(len(hashes), len(token_ids) // block_size):
         h = hash((h, *token_ids[i * block_size:(i + 1) * block_size]))
-        out.append(h)
-    return out
+        hashes.append(h)
+    return hashes
 
 
 class PrefixCache:
@@ -139,6 +156,19 @@ class PrefixCache:
         else:
             _, slot = self.snapshots.popitem(last=False)
         self.snapshots[h] = slot
+        return slot
+
+    def move_snapshot(self, old: int | None, new: int) -> int | None:
+        """A decoding sequence's one rolling snapshot, moved from boundary ``old`` (None: it
+        has none yet) to ``new``: the same slot, re-keyed (the runner overwrites it), so a
+        conversation's next turn finds its state after the answer without each block of
+        the answer taking a slot. None when ``new`` is saved already or there is no slot."""
+        if not self.has_gla or new in self.snapshots:
+            return None
+        slot = self.snapshots.pop(old, None) if old is not None else None
+        if slot is None:
+            return self.save_snapshot(new)
+        self.snapshots[new] = slot
         return slot
 
     def insert_blocks(self, hashes: list[int], blocks: list[int]) -> None:

@@ -27,7 +27,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from hyla.serve.block_manager import BlockManager
-from hyla.serve.prefix_cache import PrefixCache, block_hashes
+from hyla.serve.prefix_cache import PrefixCache, block_hashes, extend_hashes
 from hyla.serve.sequence import Sequence, SequenceStatus
 from hyla.serve.state_pool import StatePool
 
@@ -157,6 +157,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._hashes: dict[str, list[int]] = {}
+        self._rolling: dict[str, int] = {}      # request id -> its rolling snapshot's boundary
         self.num_preemptions = 0
 
     # -- queue -------------------------------------------------------------------------
@@ -230,6 +231,7 @@ class Scheduler:
         finished = []
         for seq in out.decodes:
             seq.num_computed_tokens += 1
+            self._cache_decoded(seq, out)
             self._release_out_of_window(seq)
         for chunk in out.prefills:
             seq = chunk.seq
@@ -418,6 +420,24 @@ class Scheduler:
             if snap is not None:
                 out.snapshot_saves.append((seq.slot, snap))
 
+    def _cache_decoded(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """A decoded token that fills a block past the prompt: the block joins the cache
+        and the sequence's rolling snapshot moves to its end."""
+        pc, bs, n = self.prefix_cache, self.config.block_size, seq.num_computed_tokens
+        if pc is None or n % bs or n <= seq.num_prompt_tokens or seq.slot is None:
+            return
+        hashes = self._hashes.get(seq.request_id)
+        if hashes is None:
+            hashes = self._hashes[seq.request_id] = block_hashes(seq.prompt_ids, bs)
+        extend_hashes(hashes, seq.all_token_ids[:n], bs)
+        block = seq.block_table[n // bs - 1] if len(seq.block_table) >= n // bs else None
+        if block is not None and block != self.released_block:
+            pc.insert_blocks([hashes[n // bs - 1]], [block])
+        snap = pc.move_snapshot(self._rolling.get(seq.request_id), hashes[n // bs - 1])
+        if snap is not None:
+            self._rolling[seq.request_id] = hashes[n // bs - 1]
+            out.snapshot_saves.append((seq.slot, snap))
+
     def _release_out_of_window(self, seq: Sequence) -> None:
         """With a sliding window, give back the KV blocks no later token of ``seq`` reads:
         the next query (position ``num_computed_tokens``) sees keys from ``num_computed_tokens
@@ -467,5 +487,6 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self._release(seq)
         self._hashes.pop(seq.request_id, None)
+        self._rolling.pop(seq.request_id, None)     # its snapshot stays in the cache
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -268,3 +268,67 @@ def test_generation_config_end_ids_stop_like_eos():
     assert seq.output_ids == free[:free.index(free[2]) + 1]
     (seq,) = eng.generate([prompt], dataclasses.replace(params, ignore_eos=True))
     assert seq.output_ids == free
+
+
+@pytest.mark.parametrize("layers", ["GGGA", "GGGG", "AA"])
+def test_a_chat_s_next_turn_resumes_after_the_answer(layers):
+    """Turn k + 1 repeats turn k's prompt and answer: the cache covers both, to the last full
+    block of what turn k computed (the answer's blocks and the rolling snapshot), and the
+    tokens equal the model's own loop's."""
+    model = _model(layers)
+    eng = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=256, max_num_seqs=2))
+    prompt = _prompts(1, seed=5, lo=40, hi=41)[0]
+    answer = SamplingParams(max_tokens=29, temperature=0, ignore_eos=True)
+    computed = 0            # tokens the previous turn computed (its prompt and answer)
+    for turn, extra in enumerate(_prompts(3, seed=6, lo=5, hi=12)):
+        (seq,) = eng.generate([prompt], answer)
+        assert seq.output_ids == generate(model, prompt, 29, temperature=0)
+        if turn:
+            assert seq.num_cached_tokens == (computed - 1) // 16 * 16
+        computed = len(prompt) + len(seq.output_ids)
+        prompt = prompt + seq.output_ids + extra
+    if "G" in layers:   # one rolling snapshot per answer, not one per block of it
+        assert len(eng.scheduler.prefix_cache.snapshots) <= 2 * 3
+
+
+def test_random_cancels_leave_the_cache_consistent():
+    """200 requests sharing prefixes, many cancelled mid-prefill or mid-decode at random:
+    every slot and block is freed, and a cached prefix then serves the same tokens as a
+    fresh engine."""
+    model = _model("GGGA")
+    eng = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=256, max_num_seqs=4,
+                                                      snapshot_interval=16,
+                                                      num_state_snapshots=64,
+                                                      max_num_batched_tokens=48))
+    rng = torch.Generator().manual_seed(9)
+    stems = _prompts(4, seed=7, lo=30, hi=80)
+    live = []
+    for i in range(200):
+        stem = stems[i % 4]
+        cut = int(torch.randint(10, len(stem) + 1, (1,), generator=rng))
+        tail = torch.randint(0, 256, (3,), generator=rng).tolist()
+        live.append(eng.add_request(stem[:cut] + tail, dataclasses.replace(
+            GREEDY, max_tokens=int(torch.randint(1, 40, (1,), generator=rng)))))
+        for _ in range(int(torch.randint(0, 3, (1,), generator=rng))):
+            eng.step()
+        if live and torch.rand(1, generator=rng) < 0.6:
+            eng.abort(live.pop(int(torch.randint(0, len(live), (1,), generator=rng))).request_id)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.scheduler.pool.num_used == 0
+    assert all(r == 0 for r in eng.scheduler.blocks.ref_count)
+    prompts = [s + [7, 8, 9] for s in stems]
+    cached = eng.generate(prompts, GREEDY)
+    assert any(s.num_cached_tokens for s in cached)
+    assert [s.output_ids for s in cached] == [generate(model, p, 12, temperature=0)
+                                              for p in prompts]
+
+
+def test_snapshot_budget_and_interval_flags():
+    model = _model("GGGA")
+    one = sum(spec.fixed_bytes() for spec in model.state_specs)
+    eng = Engine(model, None, EngineConfig(prefix_cache_memory=5 * one + 1))
+    assert eng.scheduler.prefix_cache.num_snapshots == 5
+    assert {t.shape[0] for layer in eng.runner.snapshots for t in layer.values()} == {5}
+    with pytest.raises(ValueError, match="snapshot-interval must be a multiple"):
+        Engine(model, None, EngineConfig(snapshot_interval=40))

@@ -49,6 +49,20 @@ def test_block_manager_reuses_cached_blocks_last():
         bm.allocate(1)
 
 
+def test_a_growing_table_takes_no_cached_block_while_uncached_ones_are_free():
+    """Two chats' blocks interleave; one growing must not take the other's cached block
+    just because it follows its own last block (that evicted the other's previous turn)."""
+    evicted = []
+    bm = BlockManager(8, 2, on_evict=lambda b, h: evicted.append(b))
+    a, b = bm.allocate(1), bm.allocate(1)           # blocks 0 and 1
+    bm.set_hash(b[0], 222)
+    bm.free(b)                                      # b's turn ended: cached, free
+    grown = bm.allocate(2, after=a[0])
+    assert b[0] not in grown and evicted == []
+    bm.free(grown)
+    assert bm.allocate(1, after=grown[0]) == [grown[1]]   # an uncached next block: first
+
+
 def test_decode_widths_cover_every_batch():
     for n in (1, 5, 20, 64, 100, 256):
         w = decode_widths(n)
