@@ -118,6 +118,12 @@ def add_serve(sub) -> argparse.ArgumentParser:
                    help="bytes for those snapshots (2G, 512MB, or a fraction of RAM), least "
                         "recently used evicted first (default: 8 per --max-num-seqs within 256 "
                         "MiB, at least one per sequence)")
+    p.add_argument("--speculative", choices=("ngram",), default=None,
+                   help="speculative decoding for a greedy request decoding alone: ngram "
+                        "drafts tokens by looking the last few up earlier in the sequence, "
+                        "verified in one forward (the output stays the model's own)")
+    p.add_argument("--num-speculative-tokens", type=positive, default=4, metavar="N",
+                   help="drafts a step with --speculative (default: %(default)s)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--compile", action="store_true",
                       help="torch.compile the decode step, one graph a batch width, built in "
@@ -219,6 +225,8 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=not args.no_prefix_caching,
                           snapshot_interval=args.snapshot_interval,
+                          speculative=args.speculative,
+                          num_speculative_tokens=args.num_speculative_tokens,
                           prefix_cache_memory=args.prefix_cache_memory,
                           kv_cache_memory=args.kv_cache_memory,
                           kv_cache_dtype=args.kv_cache_dtype,

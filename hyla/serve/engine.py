@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 import torch
 
 from hyla.model.model import HylaLM
-from hyla.model.sampler import TokenLogprob, sample
+from hyla.model.sampler import TokenLogprob, is_greedy, sample
 from hyla.ops.hardware import fast_low_precision_matmul
 from hyla.serve.detokenizer import IncrementalText
 from hyla.serve.runner import Runner
 from hyla.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from hyla.serve.sequence import SamplingParams, Sequence
+from hyla.serve.speculative import SPECULATIVE_METHODS, ngram_drafts
 
 
 def kv_window(model: HylaLM) -> int | None:
@@ -81,6 +82,10 @@ class EngineConfig:
     # server warms up in the background and serves meanwhile)
     eager_until_compiled: bool = False
     cuda_graphs: bool = False
+    # speculative decoding ("ngram": drafts by n-gram lookup in the sequence itself) of
+    # up to num_speculative_tokens a step, for a greedy request decoding alone
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
     # logits [B, V], per-row params and generators -> (tokens, logprobs); the same sampler
     # as hyla.model.generate by default
     sampler: Callable = sample
@@ -186,6 +191,12 @@ class Engine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = c = config or EngineConfig()
+        if c.speculative is not None and c.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"--speculative: expected one of {SPECULATIVE_METHODS}, got "
+                             f"{c.speculative!r}")
+        if c.num_speculative_tokens < 1:
+            raise ValueError(f"--num-speculative-tokens must be >= 1, got "
+                             f"{c.num_speculative_tokens}")
         # From the mixers' state specs: growing entries (attention keys/values) live in
         # paged KV blocks, fixed ones (GLA matrices) in slots that prefix-cache snapshots copy.
         has_attn = any(spec.per_token for spec in model.state_specs)
@@ -232,7 +243,7 @@ class Engine:
         self._prompt_lps: dict[str, list[TokenLogprob | None]] = {}   # scored so far
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                       "decode_steps": 0, "decode_time_s": 0.0, "prefill_time_s": 0.0,
-                      "step_time_s": 0.0}
+                      "step_time_s": 0.0, "draft_tokens": 0, "accepted_tokens": 0}
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
@@ -344,6 +355,10 @@ class Engine:
         if out.is_empty:
             return []
         self.stats["steps"] += 1
+        speculated = self._speculate(out)
+        if speculated is not None:
+            self.stats["step_time_s"] += time.perf_counter() - t0
+            return speculated
         logits, seqs = self._execute(out)
         tokens, logps, failed = self._sample(logits, seqs)
         sampled = {s.request_id: t for s, t in zip(seqs, tokens, strict=True)}
@@ -367,6 +382,57 @@ class Engine:
                 results.append(self._fail(seq, token, e))
         self.stats["generation_tokens"] += len(seqs)
         self.stats["step_time_s"] += time.perf_counter() - t0
+        return results
+
+    def _speculate(self, out: SchedulerOutput) -> list[StepOutput] | None:
+        """A speculative step, where one greedy request decodes alone: n-gram drafts
+        verified in one forward, the longest agreeing prefix and the model's next token
+        kept. Drafts the model rejects were consumed by the recurrent states: those are
+        restored and the kept tokens recomputed, so the state is exactly the one plain
+        decoding would hold. None (a plain step follows) where it does not apply."""
+        c = self.config
+        # (restores: a prompt one token past its cached prefix runs as a decode, and its
+        # snapshot must be restored first: a plain step does that)
+        if (c.speculative is None or out.prefills or out.loads or out.restores
+                or len(out.decodes) != 1):
+            return None
+        seq = out.decodes[0]
+        p, n = seq.params, seq.num_computed_tokens
+        if (not is_greedy(p.temperature) or p.logprobs is not None or n == 0
+                or seq.request_id in self._prefill_only):
+            return None
+        room = min(c.num_speculative_tokens, p.max_tokens - len(seq.output_ids) - 1,
+                   self.scheduler.config.max_model_len - n - 1)
+        drafts = ngram_drafts(seq.all_token_ids, room) if room > 0 else []
+        if not drafts or not self.scheduler.reserve_ahead(seq, n + len(drafts) + 1):
+            return None
+        t0, r = time.perf_counter(), self.runner
+        saved = r.save_scratch(seq.slot)
+        tokens = [seq.token_at(n)] + drafts
+        logits = r.verify(seq.slot, tokens, n, seq.block_table)
+        best, _ = self.config.sampler(logits, [p] * len(tokens), [None] * len(tokens))
+        j = 0
+        while j < len(drafts) and drafts[j] == best[j]:
+            j += 1
+        if j < len(drafts):         # the states consumed rejected drafts: go back
+            r.restore_scratch(seq.slot, saved)
+            r.verify(seq.slot, tokens[:j + 1], n, seq.block_table)
+        kept = drafts[:j] + [int(best[j])]
+        self.stats["decode_steps"] += 1
+        self.stats["decode_time_s"] += time.perf_counter() - t0
+        self.stats["draft_tokens"] += len(drafts)
+        self.stats["accepted_tokens"] += j
+        results = []
+        for i, token in enumerate(kept):
+            finished = self.scheduler.advance(seq, token, out, snapshot=i == len(kept) - 1)
+            self.stats["generation_tokens"] += 1
+            try:
+                results.append(self._emit(seq, token, None, finished))
+            except Exception as e:  # noqa: BLE001 - this request's output failed
+                results.append(self._fail(seq, token, e))
+            if seq.is_finished:
+                break
+        self.runner.copy_snapshots(out.snapshot_saves, save=True)
         return results
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]

@@ -199,6 +199,27 @@ class Runner:
                 else:
                     buf[b].copy_(snap[a])
 
+    def save_scratch(self, slot: int) -> list[torch.Tensor]:
+        """Copies of a slot's fixed-size states (speculative decoding keeps them while it
+        verifies drafts, to go back if some are rejected)."""
+        return [buf[slot].clone() for buf, _ in self._fixed()]
+
+    def restore_scratch(self, slot: int, saved: list[torch.Tensor]) -> None:
+        for (buf, _), t in zip(self._fixed(), saved, strict=True):
+            buf[slot].copy_(t)
+
+    @torch.inference_mode()
+    def verify(self, slot: int, tokens: list[int], start: int,
+               block_table: list[int]) -> torch.Tensor:
+        """Logits [len(tokens), vocab] (fp32) at every token of a chunk that continues a slot
+        after ``start`` tokens (speculative decoding's drafts, behind the last sampled
+        token): a prefill chunk whose every row is kept."""
+        ids = torch.tensor(tokens, device=self.device)
+        ctx = Context.prefill([start], [len(tokens)], [slot], [block_table], self.buffers,
+                              block_size=self.block_size, pad_block=self.pad_block,
+                              device=self.device, last_logits=False)
+        return self.model(ids[None], ctx)[0].float()
+
     def extract(self, slot: int, num_tokens: int, block_table: list[int]) -> SequenceState:
         """A standalone SequenceState (copies) of what a slot and its blocks hold."""
         rows = self._rows(block_table, num_tokens)

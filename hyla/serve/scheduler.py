@@ -249,6 +249,36 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    def reserve_ahead(self, seq: Sequence, upto: int) -> bool:
+        """KV blocks for ``seq`` to hold ``upto`` tokens if they are free now (speculative
+        decoding's drafts): never by preempting; False when they are not."""
+        if self.blocks is None:
+            return True
+        need = self.blocks.blocks_for(upto) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if not self.blocks.can_allocate(need):
+            return False
+        seq.block_table += self.blocks.allocate(
+            need, after=seq.block_table[-1] if seq.block_table else None)
+        return True
+
+    def advance(self, seq: Sequence, token: int, out: SchedulerOutput, *,
+                snapshot: bool = True) -> bool:
+        """One more computed token and one more output ``token`` for a decoding sequence,
+        as :meth:`update` does for a decode step (speculative decoding accepts several a
+        step: ``snapshot`` False where the runner's state is not at this token, so the
+        rolling snapshot is not taken there). Returns whether the sequence finished."""
+        seq.num_computed_tokens += 1
+        self._cache_decoded(seq, out, snapshot=snapshot)
+        self._release_out_of_window(seq)
+        seq.output_ids.append(token)
+        reason = seq.stop_reason_for(token)
+        if reason is not None:
+            self.finish(seq, reason)
+            return True
+        return False
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a running sequence (``reason``: "stop", "length"), freeing its slot/blocks."""
         if seq in self.running:
@@ -420,9 +450,10 @@ class Scheduler:
             if snap is not None:
                 out.snapshot_saves.append((seq.slot, snap))
 
-    def _cache_decoded(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _cache_decoded(self, seq: Sequence, out: SchedulerOutput, *,
+                       snapshot: bool = True) -> None:
         """A decoded token that fills a block past the prompt: the block joins the cache
-        and the sequence's rolling snapshot moves to its end."""
+        and (with ``snapshot``) the sequence's rolling snapshot moves to its end."""
         pc, bs, n = self.prefix_cache, self.config.block_size, seq.num_computed_tokens
         if pc is None or n % bs or n <= seq.num_prompt_tokens or seq.slot is None:
             return
@@ -433,6 +464,8 @@ class Scheduler:
         block = seq.block_table[n // bs - 1] if len(seq.block_table) >= n // bs else None
         if block is not None and block != self.released_block:
             pc.insert_blocks([hashes[n // bs - 1]], [block])
+        if not snapshot:
+            return
         snap = pc.move_snapshot(self._rolling.get(seq.request_id), hashes[n // bs - 1])
         if snap is not None:
             self._rolling[seq.request_id] = hashes[n // bs - 1]

@@ -332,3 +332,22 @@ def test_snapshot_budget_and_interval_flags():
     assert {t.shape[0] for layer in eng.runner.snapshots for t in layer.values()} == {5}
     with pytest.raises(ValueError, match="snapshot-interval must be a multiple"):
         Engine(model, None, EngineConfig(snapshot_interval=40))
+
+
+def test_a_flood_of_distinct_prefixes_stays_within_the_cache_s_budget():
+    """300 distinct prompts: the snapshots never outgrow their slots (the buffers keep their
+    size), the cache's KV entries never outnumber the blocks, and a prompt seen long ago
+    still decodes exactly (from a hit or from scratch)."""
+    model = _model("GGGA")
+    eng = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=128, max_num_seqs=4,
+                                                      num_state_snapshots=6,
+                                                      snapshot_interval=16))
+    sizes = [t.shape for layer in eng.runner.snapshots for t in layer.values()]
+    pc, blocks = eng.scheduler.prefix_cache, eng.scheduler.blocks
+    prompts = _prompts(300, seed=11, lo=17, hi=60)
+    for i in range(0, 300, 4):
+        eng.generate(prompts[i:i + 4], dataclasses.replace(GREEDY, max_tokens=3))
+        assert len(pc.snapshots) <= 6 and len(pc.kv) <= blocks.num_blocks
+    assert [t.shape for layer in eng.runner.snapshots for t in layer.values()] == sizes
+    (again,) = eng.generate([prompts[0]], GREEDY)
+    assert again.output_ids == generate(model, prompts[0], 12, temperature=0)

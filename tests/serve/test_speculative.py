@@ -1,0 +1,123 @@
+"""Speculative decoding by n-gram drafts: the output is the model's own greedy output, token
+for token, whatever the drafts, the layer kinds (recurrent states restored on rejection),
+stops inside a draft, full KV blocks, a prefix cache and cancels."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from hyla.data.tokenizer import ByteTokenizer
+from hyla.model import HylaLM, preset
+from hyla.model.generate import generate
+from hyla.serve.engine import Engine, EngineConfig
+from hyla.serve.sequence import SamplingParams
+from hyla.serve.speculative import ngram_drafts
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+def _model(layers, seed=0):
+    torch.manual_seed(seed)
+    return HylaLM(dataclasses.replace(preset("debug"), layers=layers)).eval()
+
+
+def _repetitive(seed=1, n=24):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, 256, (n,), generator=g).tolist()
+    return base + base[: n // 2] + [7] + base[: n // 2]
+
+
+def test_ngram_drafts():
+    assert ngram_drafts([1, 2, 3, 9, 8, 1, 2, 3], 2) == [9, 8]
+    assert ngram_drafts([4, 5, 6, 4, 5], 4, max_n=2) == [6, 4, 5]
+    assert ngram_drafts([1, 2, 3], 3) == [] and ngram_drafts([1, 1], 0) == []
+    assert ngram_drafts(list(range(100)) + [5], 2) == [6, 7]        # down to one token
+
+
+@pytest.mark.parametrize("layers", ["GGGA", "AA", "GGGG", "GDGA"])
+@pytest.mark.parametrize("cfg", [dict(), dict(num_speculative_tokens=1),
+                                 dict(num_speculative_tokens=7, snapshot_interval=16),
+                                 dict(num_kv_blocks=6)],
+                         ids=["k4", "k1", "k7-snapshots", "few-blocks"])
+def test_output_is_the_model_s_greedy_output(layers, cfg):
+    model = _model(layers)
+    if "A" not in layers:
+        cfg = {k: v for k, v in cfg.items() if k != "num_kv_blocks"}
+    eng = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=128, speculative="ngram",
+                                                      **cfg))
+    prompts = [_repetitive(s) for s in range(3)]
+    for p in prompts:
+        (seq,) = eng.generate([p], GREEDY)
+        assert seq.output_ids == generate(model, p, 40, temperature=0)
+    assert 0 < eng.stats["accepted_tokens"] <= eng.stats["draft_tokens"]
+    assert eng.scheduler.pool.num_used == 0
+    if eng.scheduler.blocks is not None:
+        assert all(r == 0 for r in eng.scheduler.blocks.ref_count)
+
+
+def test_stops_inside_a_draft_and_max_tokens():
+    model = _model("GGGA")
+    prompt = _repetitive(4)
+    plain = generate(model, prompt, 40, temperature=0)
+    eng = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=128, speculative="ngram",
+                                                      num_speculative_tokens=6))
+    stop = plain[17]
+    (seq,) = eng.generate([prompt], dataclasses.replace(GREEDY, stop_token_ids=(stop,)))
+    assert seq.output_ids == plain[:plain.index(stop) + 1] and seq.finish_reason == "stop"
+    for n in (1, 2, 5):
+        (seq,) = eng.generate([prompt], dataclasses.replace(GREEDY, max_tokens=n))
+        assert seq.output_ids == plain[:n] and seq.finish_reason == "length"
+
+
+def test_what_it_does_not_apply_to_runs_as_before():
+    """Sampling, logprobs and batches of several decode as without speculation."""
+    model = _model("GGGA")
+    prompts = [_repetitive(s) for s in range(2)]
+    spec = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=128, speculative="ngram"))
+    plain = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=128))
+    sampled = SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)
+    scored = dataclasses.replace(GREEDY, logprobs=2)
+    for params in (sampled, scored):
+        a, b = spec.generate([prompts[0]], params), plain.generate([prompts[0]], params)
+        assert a[0].output_ids == b[0].output_ids
+    both = spec.generate(prompts, GREEDY)
+    assert [s.output_ids for s in both] == [generate(model, p, 40, temperature=0)
+                                            for p in prompts]
+    assert spec.stats["draft_tokens"] == 0
+
+
+def test_cancels_mid_speculation_leave_the_cache_consistent():
+    """200 greedy requests on repeated prefixes, many cancelled between steps: every slot
+    and block freed, and cached prefixes then decode exactly."""
+    model = _model("GGGA")
+    eng = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=160, max_num_seqs=1,
+                                                      speculative="ngram",
+                                                      num_state_snapshots=32))
+    rng = torch.Generator().manual_seed(5)
+    stems = [_repetitive(s, 20) for s in range(4)]
+    live = []
+    for i in range(200):
+        cut = int(torch.randint(12, len(stems[i % 4]) + 1, (1,), generator=rng))
+        live.append(eng.add_request(stems[i % 4][:cut], dataclasses.replace(
+            GREEDY, max_tokens=int(torch.randint(2, 30, (1,), generator=rng)))))
+        for _ in range(int(torch.randint(0, 4, (1,), generator=rng))):
+            eng.step()
+        if torch.rand(1, generator=rng) < 0.5:
+            eng.abort(live.pop(int(torch.randint(0, len(live), (1,), generator=rng))).request_id)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.scheduler.pool.num_used == 0
+    assert all(r == 0 for r in eng.scheduler.blocks.ref_count)
+    assert eng.stats["accepted_tokens"] > 0
+    for stem in stems:
+        (seq,) = eng.generate([stem], GREEDY)
+        assert seq.output_ids == generate(model, stem, 40, temperature=0)
+
+
+def test_bad_settings_are_refused_naming_the_flag():
+    model = _model("GGGA")
+    with pytest.raises(ValueError, match="--speculative: expected one of"):
+        Engine(model, None, EngineConfig(speculative="eagle"))
+    with pytest.raises(ValueError, match="--num-speculative-tokens must be >= 1"):
+        Engine(model, None, EngineConfig(speculative="ngram", num_speculative_tokens=0))
