@@ -241,6 +241,7 @@ class Engine:
         self._generators: dict[str, torch.Generator] = {}
         self._prefill_only: dict[str, SamplingParams] = {}    # rid -> the caller's params
         self._prompt_lps: dict[str, list[TokenLogprob | None]] = {}   # scored so far
+        self._spec_backoff: dict[str, tuple[int, int]] = {}  # rid -> (steps to wait, backoff)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                       "decode_steps": 0, "decode_time_s": 0.0, "prefill_time_s": 0.0,
                       "step_time_s": 0.0, "draft_tokens": 0, "accepted_tokens": 0}
@@ -401,9 +402,14 @@ class Engine:
         if (not is_greedy(p.temperature) or p.logprobs is not None or n == 0
                 or seq.request_id in self._prefill_only):
             return None
+        wait, backoff = self._spec_backoff.get(seq.request_id, (0, 0))
+        if wait > 0:            # its recent drafts all failed: plain steps for a while
+            self._spec_backoff[seq.request_id] = (wait - 1, backoff)
+            return None
         room = min(c.num_speculative_tokens, p.max_tokens - len(seq.output_ids) - 1,
                    self.scheduler.config.max_model_len - n - 1)
-        drafts = ngram_drafts(seq.all_token_ids, room) if room > 0 else []
+        # matches of two tokens or more: one-token matches were mostly wrong on prose
+        drafts = ngram_drafts(seq.all_token_ids, room, min_n=2) if room > 0 else []
         if not drafts or not self.scheduler.reserve_ahead(seq, n + len(drafts) + 1):
             return None
         t0, r = time.perf_counter(), self.runner
@@ -418,6 +424,13 @@ class Engine:
             r.restore_scratch(seq.slot, saved)
             r.verify(seq.slot, tokens[:j + 1], n, seq.block_table)
         kept = drafts[:j] + [int(best[j])]
+        # a step whose drafts all fail costs about two plain ones (the verify, then the
+        # recompute): after one, wait 1, 2, 4 ... 64 steps before drafting again
+        if j == 0:
+            backoff = min(2 * backoff or 1, 64)
+            self._spec_backoff[seq.request_id] = (backoff, backoff)
+        else:
+            self._spec_backoff.pop(seq.request_id, None)
         self.stats["decode_steps"] += 1
         self.stats["decode_time_s"] += time.perf_counter() - t0
         self.stats["draft_tokens"] += len(drafts)
@@ -586,6 +599,7 @@ class Engine:
                           state=state)
 
     def _forget(self, request_id: str) -> None:
+        self._spec_backoff.pop(request_id, None)
         self._prefill_only.pop(request_id, None)
         self._prompt_lps.pop(request_id, None)
         self._seqs.pop(request_id, None)

@@ -35,13 +35,35 @@ def test_ngram_drafts():
     assert ngram_drafts(list(range(100)) + [5], 2) == [6, 7]        # down to one token
 
 
+def oracle_drafts(monkeypatch, model, prompts, n=40):
+    """Drafts from the model's own greedy continuation, spoiled at some steps (one wrong
+    token partway, or all wrong), so every path runs: all kept, some kept, none kept."""
+    import hyla.serve.engine as engine_module
+
+    truth = {tuple(p): generate(model, p, n, temperature=0) for p in prompts}
+
+    def drafts(tokens, k, **_):
+        for p, out in truth.items():
+            if tuple(tokens[:len(p)]) == p:
+                at = len(tokens) - len(p)
+                d = list(out[at:at + k])
+                if at % 5 == 0:
+                    d = [(t + 1) % 256 for t in d]
+                elif at % 3 == 0 and len(d) > 1:
+                    d[1] = (d[1] + 1) % 256
+                return d
+        return []
+    monkeypatch.setattr(engine_module, "ngram_drafts", drafts)
+
+
 @pytest.mark.parametrize("layers", ["GGGA", "AA", "GGGG", "GDGA"])
 @pytest.mark.parametrize("cfg", [dict(), dict(num_speculative_tokens=1),
                                  dict(num_speculative_tokens=7, snapshot_interval=16),
                                  dict(num_kv_blocks=6)],
                          ids=["k4", "k1", "k7-snapshots", "few-blocks"])
-def test_output_is_the_model_s_greedy_output(layers, cfg):
+def test_output_is_the_model_s_greedy_output(monkeypatch, layers, cfg):
     model = _model(layers)
+    oracle_drafts(monkeypatch, model, [_repetitive(s) for s in range(3)])
     if "A" not in layers:
         cfg = {k: v for k, v in cfg.items() if k != "num_kv_blocks"}
     eng = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=128, speculative="ngram",
@@ -56,9 +78,10 @@ def test_output_is_the_model_s_greedy_output(layers, cfg):
         assert all(r == 0 for r in eng.scheduler.blocks.ref_count)
 
 
-def test_stops_inside_a_draft_and_max_tokens():
+def test_stops_inside_a_draft_and_max_tokens(monkeypatch):
     model = _model("GGGA")
     prompt = _repetitive(4)
+    oracle_drafts(monkeypatch, model, [prompt])
     plain = generate(model, prompt, 40, temperature=0)
     eng = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=128, speculative="ngram",
                                                       num_speculative_tokens=6))
@@ -109,10 +132,35 @@ def test_cancels_mid_speculation_leave_the_cache_consistent():
         eng.step()
     assert eng.scheduler.pool.num_used == 0
     assert all(r == 0 for r in eng.scheduler.blocks.ref_count)
-    assert eng.stats["accepted_tokens"] > 0
+    assert eng.stats["draft_tokens"] > 0
     for stem in stems:
         (seq,) = eng.generate([stem], GREEDY)
         assert seq.output_ids == generate(model, stem, 40, temperature=0)
+
+
+def test_drafts_that_keep_failing_back_off():
+    """A request whose drafts all fail drafts again after 1, 2, 4 ... 64 plain steps: on
+    text that never repeats, speculation costs next to nothing."""
+    import hyla.serve.engine as engine_module
+
+    model = _model("GGGA")
+    calls = []
+
+    def wrong(tokens, k, **_):
+        calls.append(len(tokens))
+        return [(tokens[-1] + 1) % 256] * k        # never what this model says (checked)
+    eng = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=256, speculative="ngram"))
+    prompt = _repetitive(2)
+    want = generate(model, prompt, 100, temperature=0)
+    old, engine_module.ngram_drafts = engine_module.ngram_drafts, wrong
+    try:
+        (seq,) = eng.generate([prompt], dataclasses.replace(GREEDY, max_tokens=100))
+    finally:
+        engine_module.ngram_drafts = old
+    assert seq.output_ids == want
+    gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
+    assert eng.stats["accepted_tokens"] == 0 and len(calls) <= 9
+    assert gaps[:5] == [2, 3, 5, 9, 17]          # a step, then waits of 1, 2, 4, 8, 16
 
 
 def test_bad_settings_are_refused_naming_the_flag():
