@@ -241,6 +241,10 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
                   f"{format_bytes(engine.kv_cache_bytes)} reserved "
                   f"({blocks * config.block_size // args.max_model_len} full-length "
                   f"sequences{lazy})")
+    pc = engine.scheduler.prefix_cache
+    if pc is not None and pc.num_snapshots:
+        out.print(f"prefix cache: {pc.num_snapshots} state snapshots every "
+                  f"{config.snapshot_interval} tokens, {format_bytes(engine.snapshot_bytes)}")
     dead: list[BaseException] = []
     server: list = []
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -206,7 +207,11 @@ class Engine:
             blocks = kv_blocks_for(model, c) if has_attn else 0
         snaps = c.num_state_snapshots
         one = sum(spec.fixed_bytes(model.anchor.dtype) for spec in model.state_specs)
-        if c.prefix_cache_memory is not None and has_gla:
+        if c.prefix_cache_memory is not None and has_gla and c.enable_prefix_caching:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            if c.prefix_cache_memory > ram // 2:    # allocated up front: refuse, not die
+                raise ValueError(f"--prefix-cache-memory {c.prefix_cache_memory} bytes is more "
+                                 f"than half this machine's memory ({ram} bytes)")
             snaps = max(1, c.prefix_cache_memory // one)
         if snaps is None and has_gla and c.enable_prefix_caching:
             # a few snapshots a slot (each conversation keeps its prompt's and its answer's):
@@ -230,6 +235,8 @@ class Engine:
                              num_snapshots=snaps if has_gla else 0, compile=c.compile,
                              cuda_graphs=c.cuda_graphs, kv_dtype=kv_dtype,
                              eager_until_built=c.compile and c.eager_until_compiled)
+        # what the prefix cache's state snapshots hold (``hyla serve`` logs it)
+        self.snapshot_bytes = one * snaps if has_gla else 0
         # what the paged KV blocks hold (``hyla serve`` logs it)
         self.kv_cache_bytes = (blocks * kv_block_bytes(model, c.block_size, kv_dtype)
                                if has_attn else 0)
@@ -420,9 +427,9 @@ class Engine:
         j = 0
         while j < len(drafts) and drafts[j] == best[j]:
             j += 1
-        if j < len(drafts):         # the states consumed rejected drafts: go back
-            r.restore_scratch(seq.slot, saved)
-            r.verify(seq.slot, tokens[:j + 1], n, seq.block_table)
+        if j < len(drafts) and saved:   # fixed-size states consumed rejected drafts: go
+            r.restore_scratch(seq.slot, saved)      # back (KV rows past the kept tokens are
+            r.verify(seq.slot, tokens[:j + 1], n, seq.block_table)   # never read)
         kept = drafts[:j] + [int(best[j])]
         # a step whose drafts all fail costs about two plain ones (the verify, then the
         # recompute): after one, wait 1, 2, 4 ... 64 steps before drafting again

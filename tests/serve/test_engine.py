@@ -332,6 +332,11 @@ def test_snapshot_budget_and_interval_flags():
     assert {t.shape[0] for layer in eng.runner.snapshots for t in layer.values()} == {5}
     with pytest.raises(ValueError, match="snapshot-interval must be a multiple"):
         Engine(model, None, EngineConfig(snapshot_interval=40))
+    with pytest.raises(ValueError, match="--prefix-cache-memory .* more than half"):
+        Engine(model, None, EngineConfig(prefix_cache_memory=1 << 50))
+    off = Engine(model, None, EngineConfig(prefix_cache_memory=5 * one,
+                                           enable_prefix_caching=False))
+    assert off.snapshot_bytes == 0 and off.scheduler.prefix_cache is None
 
 
 def test_a_flood_of_distinct_prefixes_stays_within_the_cache_s_budget():

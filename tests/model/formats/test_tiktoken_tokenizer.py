@@ -114,6 +114,9 @@ def test_long_and_hostile_text(kimi_tok):
         kimi_tok.encode(b"bytes")
     with pytest.raises(ValueError, match=r"ids must be in \[0, "):
         kimi_tok.decode([kimi_tok.vocab_size])
+    for wrong in ([True], [1.5], ["a"], [None], "abc", None):
+        with pytest.raises(ValueError, match="ids must be"):
+            kimi_tok.decode(wrong)
     assert kimi_tok.decode([0xE4]) == "\ufffd"          # half a character: replaced
 
 
@@ -124,6 +127,10 @@ def test_long_and_hostile_text(kimi_tok):
     ("missing-bytes", "lacks 1 single bytes"),
     ("gap-in-ranks", "the ranks must be 0 to"),
     ("special-id-outside", "outside the 256 ids after the BPE"),
+    ("one-name-two-ids", "is named for ids"),
+    ("a-reserved-name", "is also reserved id"),
+    ("unknown-eos", "eos_token '\\[NOPE\\]' is not one of its special tokens"),
+    ("repeated-token", "repeats a token"),
     ("too-many-for-the-model", "tokenizer mismatch"),
 ])
 def test_broken_files_are_one_clear_error(tmp_path, ranks, how, needle):
@@ -143,10 +150,35 @@ def test_broken_files_are_one_clear_error(tmp_path, ranks, how, needle):
         config = json.loads((tmp_path / "tokenizer_config.json").read_text())
         config["added_tokens_decoder"]["7"] = {"content": "<|evil|>"}
         (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    elif how in ("one-name-two-ids", "a-reserved-name", "unknown-eos"):
+        config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+        base = len(ranks)
+        if how == "one-name-two-ids":
+            config["added_tokens_decoder"][str(base + 20)] = {"content": "[EOS]"}
+        elif how == "a-reserved-name":
+            config["added_tokens_decoder"][str(base + 20)] = {
+                "content": f"<|reserved_token_{base + 30}|>"}
+        else:
+            config["eos_token"] = "[NOPE]"
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    elif how == "repeated-token":
+        with open(tmp_path / "tiktoken.model", "a") as f:
+            f.write(f"{base64.b64encode(b'a').decode()} {len(ranks)}\n")
     else:
         vocab = len(ranks) + 10
     with pytest.raises(ValueError, match=needle):
         load_tiktoken_tokenizer(tmp_path, vocab)
+
+
+def test_an_edited_file_is_read_again(tmp_path, ranks):
+    """The file as it is now, each time (tiktoken.load would reuse its first copy)."""
+    write_kimi_tokenizer(tmp_path, {bytes([b]): b for b in range(256)})
+    assert load_tiktoken_tokenizer(tmp_path, None).vocab_size == 256 + NUM_SPECIAL
+    write_kimi_tokenizer(tmp_path, ranks)
+    assert load_tiktoken_tokenizer(tmp_path, None).vocab_size == len(ranks) + NUM_SPECIAL
+    (tmp_path / "tiktoken.model").write_text("garbage\n")
+    with pytest.raises(ValueError, match="not a tiktoken BPE file"):
+        load_tiktoken_tokenizer(tmp_path, None)
 
 
 def test_saved_as_tokenizer_json_transformers_reads_alike(tmp_path, kimi_tok):

@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import json
+import operator
 import pathlib
 import re
 
@@ -46,6 +47,12 @@ NUM_SPECIAL = 256
 MAX_CHARS = 400_000
 MAX_RUN = 25_000
 _RUNS = re.compile(r"\s+|\S+")
+
+
+def _token_id(value) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{value!r} is a bool, not a token id")
+    return operator.index(value)
 
 
 def split_long(text: str) -> list[str]:
@@ -113,7 +120,12 @@ class TiktokenTokenizer:
         return ids
 
     def decode(self, ids) -> str:
-        ids = [int(i) for i in ids]
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise ValueError(f"ids must be a sequence of ints, got {type(ids).__name__}")
+        try:        # ints of any kind (numpy's, torch's 0-d), not floats or bools
+            ids = [_token_id(i) for i in ids]
+        except TypeError as e:
+            raise ValueError(f"ids must be ints: {e}") from e
         bad = [i for i in ids if not 0 <= i < self._enc.n_vocab]
         if bad:
             raise ValueError(f"ids must be in [0, {self._enc.n_vocab}), got {bad[:5]}")
@@ -178,20 +190,38 @@ class TiktokenTokenizer:
         pathlib.Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 def read_ranks(path: pathlib.Path) -> dict[bytes, int]:
-    """The BPE ranks of a tiktoken file, by ``tiktoken.load``; ValueError naming the file
-    (and the line) when it is not one."""
-    from tiktoken.load import load_tiktoken_bpe
+    """The BPE ranks of a tiktoken file (``base64(token) rank`` a line), read here rather
+    than by ``tiktoken.load``, which keeps a copy of any file it reads under a shared
+    temporary folder keyed by the path and reuses it without looking at the file again (an
+    edited or replaced file then loads as its first version). ValueError naming the file
+    and the line when it is not one."""
+    import base64
+    import binascii
 
     try:
-        ranks = load_tiktoken_bpe(str(path))
-    except Exception as e:  # noqa: BLE001 - base64, int and split errors alike
-        raise ValueError(f"{path} is not a tiktoken BPE file (base64 token, space, rank on "
-                         f"each line): {e}") from e
+        lines = pathlib.Path(path).read_bytes().splitlines()
+    except OSError as e:
+        raise ValueError(f"{path} could not be read: {e}") from e
+    ranks: dict[bytes, int] = {}
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        parts = line.split()
+        try:
+            if len(parts) != 2:
+                raise ValueError(f"{len(parts)} fields")
+            token, rank = base64.b64decode(parts[0], validate=True), int(parts[1])
+        except (ValueError, binascii.Error) as e:
+            raise ValueError(f"{path} is not a tiktoken BPE file (base64 token, space, rank on "
+                             f"each line): line {number}: {e}") from e
+        if not token:
+            raise ValueError(f"{path} is not a tiktoken BPE file: line {number}'s token is "
+                             f"empty")
+        if token in ranks:
+            raise ValueError(f"{path}: line {number} repeats a token")
+        ranks[token] = rank
     if not ranks:
         raise ValueError(f"{path} holds no tokens")
-    if b"" in ranks:         # base64 decodes text that is none to nothing
-        raise ValueError(f"{path} is not a tiktoken BPE file: a line's token is empty or not "
-                         f"base64")
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise ValueError(f"{path}: the ranks must be 0 to {len(ranks) - 1}, each once")
     missing = [b for b in range(256) if bytes([b]) not in ranks]
@@ -219,7 +249,8 @@ def load_tiktoken_tokenizer(root: pathlib.Path, vocab_size: int | None, *,
     if not isinstance(named, dict):
         raise ValueError(f"{root / 'tokenizer_config.json'}: added_tokens_decoder must be an "
                          f"object of id -> token")
-    for key, value in named.items():
+    named_texts: dict[str, int] = {}
+    for key, value in sorted(named.items(), key=lambda kv: str(kv[0])):
         text = value.get("content") if isinstance(value, dict) else value
         if not (isinstance(key, str) and key.isdigit() and isinstance(text, str) and text):
             raise ValueError(f"{root / 'tokenizer_config.json'}: added_tokens_decoder entry "
@@ -229,7 +260,15 @@ def load_tiktoken_tokenizer(root: pathlib.Path, vocab_size: int | None, *,
             raise ValueError(f"{root / 'tokenizer_config.json'}: special token {text!r} has id "
                              f"{token_id}, outside the {NUM_SPECIAL} ids after the BPE's "
                              f"{base} ([{base}, {base + NUM_SPECIAL}))")
-        special = {t: i for t, i in special.items() if i != token_id} | {text: token_id}
+        if text in named_texts:
+            raise ValueError(f"{root / 'tokenizer_config.json'}: special token {text!r} is "
+                             f"named for ids {named_texts[text]} and {token_id}")
+        named_texts[text] = token_id
+        special = {t: i for t, i in special.items() if i != token_id}
+        if text in special:     # the name of a reserved id that no entry renamed
+            raise ValueError(f"{root / 'tokenizer_config.json'}: special token {text!r} "
+                             f"(id {token_id}) is also reserved id {special[text]}'s name")
+        special[text] = token_id
     n = base + NUM_SPECIAL
     if vocab_size is not None and n > vocab_size:
         raise ValueError(f"tokenizer mismatch: {root / FILE} has {n} tokens with its "
@@ -242,8 +281,11 @@ def load_tiktoken_tokenizer(root: pathlib.Path, vocab_size: int | None, *,
 
     # named by neither file: the id after the BPE's first special one, Kimi's [EOS]
     by_id = {i: t for t, i in special.items()}
-    eos = (token_text(config.get("eos_token")) or by_id.get(config_eos_id)
-           or by_id[base + 1])
+    named_eos = config.get("eos_token")
+    if named_eos is not None and token_text(named_eos) is None:
+        raise ValueError(f"{root / 'tokenizer_config.json'}: eos_token {named_eos!r} is not "
+                         f"one of its special tokens")
+    eos = (token_text(named_eos) or by_id.get(config_eos_id) or by_id[base + 1])
     return TiktokenTokenizer(ranks, special, eos, bos_token=token_text(config.get("bos_token")),
                              chat_template=chat_template)
 
