@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 import torch
 
 from hyla.model.model import HylaLM
-from hyla.model.sampler import TokenLogprob, is_greedy, sample
+from hyla.model.sampler import TokenLogprob, sample
 from hyla.ops.hardware import fast_low_precision_matmul
 from hyla.serve.detokenizer import IncrementalText
 from hyla.serve.runner import Runner
 from hyla.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from hyla.serve.sequence import SamplingParams, Sequence
-from hyla.serve.speculative import SPECULATIVE_METHODS, ngram_drafts
+from hyla.serve.speculative import SPECULATIVE_METHODS, NgramSpeculator
 
 
 def kv_window(model: HylaLM) -> int | None:
@@ -248,7 +248,8 @@ class Engine:
         self._generators: dict[str, torch.Generator] = {}
         self._prefill_only: dict[str, SamplingParams] = {}    # rid -> the caller's params
         self._prompt_lps: dict[str, list[TokenLogprob | None]] = {}   # scored so far
-        self._spec_backoff: dict[str, tuple[int, int]] = {}  # rid -> (steps to wait, backoff)
+        self.speculator = (NgramSpeculator(c.num_speculative_tokens)
+                           if c.speculative is not None else None)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                       "decode_steps": 0, "decode_time_s": 0.0, "prefill_time_s": 0.0,
                       "step_time_s": 0.0, "draft_tokens": 0, "accepted_tokens": 0}
@@ -363,7 +364,7 @@ class Engine:
         if out.is_empty:
             return []
         self.stats["steps"] += 1
-        speculated = self._speculate(out)
+        speculated = self.speculator.step(self, out) if self.speculator is not None else None
         if speculated is not None:
             self.stats["step_time_s"] += time.perf_counter() - t0
             return speculated
@@ -390,69 +391,6 @@ class Engine:
                 results.append(self._fail(seq, token, e))
         self.stats["generation_tokens"] += len(seqs)
         self.stats["step_time_s"] += time.perf_counter() - t0
-        return results
-
-    def _speculate(self, out: SchedulerOutput) -> list[StepOutput] | None:
-        """A speculative step, where one greedy request decodes alone: n-gram drafts
-        verified in one forward, the longest agreeing prefix and the model's next token
-        kept. Drafts the model rejects were consumed by the recurrent states: those are
-        restored and the kept tokens recomputed, so the state is exactly the one plain
-        decoding would hold. None (a plain step follows) where it does not apply."""
-        c = self.config
-        # (restores: a prompt one token past its cached prefix runs as a decode, and its
-        # snapshot must be restored first: a plain step does that)
-        if (c.speculative is None or out.prefills or out.loads or out.restores
-                or len(out.decodes) != 1):
-            return None
-        seq = out.decodes[0]
-        p, n = seq.params, seq.num_computed_tokens
-        if (not is_greedy(p.temperature) or p.logprobs is not None or n == 0
-                or seq.request_id in self._prefill_only):
-            return None
-        wait, backoff = self._spec_backoff.get(seq.request_id, (0, 0))
-        if wait > 0:            # its recent drafts all failed: plain steps for a while
-            self._spec_backoff[seq.request_id] = (wait - 1, backoff)
-            return None
-        room = min(c.num_speculative_tokens, p.max_tokens - len(seq.output_ids) - 1,
-                   self.scheduler.config.max_model_len - n - 1)
-        # matches of two tokens or more: one-token matches were mostly wrong on prose
-        drafts = ngram_drafts(seq.all_token_ids, room, min_n=2) if room > 0 else []
-        if not drafts or not self.scheduler.reserve_ahead(seq, n + len(drafts) + 1):
-            return None
-        t0, r = time.perf_counter(), self.runner
-        saved = r.save_scratch(seq.slot)
-        tokens = [seq.token_at(n)] + drafts
-        logits = r.verify(seq.slot, tokens, n, seq.block_table)
-        best, _ = self.config.sampler(logits, [p] * len(tokens), [None] * len(tokens))
-        j = 0
-        while j < len(drafts) and drafts[j] == best[j]:
-            j += 1
-        if j < len(drafts) and saved:   # fixed-size states consumed rejected drafts: go
-            r.restore_scratch(seq.slot, saved)      # back (KV rows past the kept tokens are
-            r.verify(seq.slot, tokens[:j + 1], n, seq.block_table)   # never read)
-        kept = drafts[:j] + [int(best[j])]
-        # a step whose drafts all fail costs about two plain ones (the verify, then the
-        # recompute): after one, wait 1, 2, 4 ... 64 steps before drafting again
-        if j == 0:
-            backoff = min(2 * backoff or 1, 64)
-            self._spec_backoff[seq.request_id] = (backoff, backoff)
-        else:
-            self._spec_backoff.pop(seq.request_id, None)
-        self.stats["decode_steps"] += 1
-        self.stats["decode_time_s"] += time.perf_counter() - t0
-        self.stats["draft_tokens"] += len(drafts)
-        self.stats["accepted_tokens"] += j
-        results = []
-        for i, token in enumerate(kept):
-            finished = self.scheduler.advance(seq, token, out, snapshot=i == len(kept) - 1)
-            self.stats["generation_tokens"] += 1
-            try:
-                results.append(self._emit(seq, token, None, finished))
-            except Exception as e:  # noqa: BLE001 - this request's output failed
-                results.append(self._fail(seq, token, e))
-            if seq.is_finished:
-                break
-        self.runner.copy_snapshots(out.snapshot_saves, save=True)
         return results
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]
@@ -606,7 +544,8 @@ class Engine:
                           state=state)
 
     def _forget(self, request_id: str) -> None:
-        self._spec_backoff.pop(request_id, None)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
         self._prefill_only.pop(request_id, None)
         self._prompt_lps.pop(request_id, None)
         self._seqs.pop(request_id, None)

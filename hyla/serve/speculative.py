@@ -17,6 +17,10 @@ Example:
 
 from __future__ import annotations
 
+import time
+
+from hyla.model.sampler import is_greedy
+
 SPECULATIVE_METHODS = ("ngram",)
 
 
@@ -35,3 +39,78 @@ def ngram_drafts(tokens: list[int], k: int, *, max_n: int = 3, min_n: int = 1,
             if seq[start:start + n] == tail:
                 return seq[start + n:start + n + k]
     return []
+
+
+class NgramSpeculator:
+    """The engine's speculative steps with :func:`ngram_drafts`, up to ``k`` a step, and
+    each request's back-off after drafts that all failed."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self._backoff: dict[str, tuple[int, int]] = {}   # rid -> (steps to wait, backoff)
+
+    def forget(self, request_id: str) -> None:
+        self._backoff.pop(request_id, None)
+
+    def step(self, engine, out) -> list | None:
+        """A speculative step, where one greedy request decodes alone: n-gram drafts
+        verified in one forward, the longest agreeing prefix and the model's next token
+        kept. Drafts the model rejects were consumed by the recurrent states: those are
+        restored and the kept tokens recomputed, so the state is exactly the one plain
+        decoding would hold. None (a plain step follows) where it does not apply."""
+        c = engine.config
+        # (restores: a prompt one token past its cached prefix runs as a decode, and its
+        # snapshot must be restored first: a plain step does that)
+        if (c.speculative is None or out.prefills or out.loads or out.restores
+                or len(out.decodes) != 1):
+            return None
+        seq = out.decodes[0]
+        p, n = seq.params, seq.num_computed_tokens
+        if (not is_greedy(p.temperature) or p.logprobs is not None or n == 0
+                or seq.request_id in engine._prefill_only):
+            return None
+        wait, backoff = self._backoff.get(seq.request_id, (0, 0))
+        if wait > 0:            # its recent drafts all failed: plain steps for a while
+            self._backoff[seq.request_id] = (wait - 1, backoff)
+            return None
+        room = min(self.k, p.max_tokens - len(seq.output_ids) - 1,
+                   engine.scheduler.config.max_model_len - n - 1)
+        # matches of two tokens or more: one-token matches were mostly wrong on prose
+        drafts = ngram_drafts(seq.all_token_ids, room, min_n=2) if room > 0 else []
+        if not drafts or not engine.scheduler.reserve_ahead(seq, n + len(drafts) + 1):
+            return None
+        t0, r = time.perf_counter(), engine.runner
+        saved = r.save_scratch(seq.slot)
+        tokens = [seq.token_at(n)] + drafts
+        logits = r.verify(seq.slot, tokens, n, seq.block_table)
+        best, _ = engine.config.sampler(logits, [p] * len(tokens), [None] * len(tokens))
+        j = 0
+        while j < len(drafts) and drafts[j] == best[j]:
+            j += 1
+        if j < len(drafts) and saved:   # fixed-size states consumed rejected drafts: go
+            r.restore_scratch(seq.slot, saved)      # back (KV rows past the kept tokens are
+            r.verify(seq.slot, tokens[:j + 1], n, seq.block_table)   # never read)
+        kept = drafts[:j] + [int(best[j])]
+        # a step whose drafts all fail costs about two plain ones (the verify, then the
+        # recompute): after one, wait 1, 2, 4 ... 64 steps before drafting again
+        if j == 0:
+            backoff = min(2 * backoff or 1, 64)
+            self._backoff[seq.request_id] = (backoff, backoff)
+        else:
+            self._backoff.pop(seq.request_id, None)
+        engine.stats["decode_steps"] += 1
+        engine.stats["decode_time_s"] += time.perf_counter() - t0
+        engine.stats["draft_tokens"] += len(drafts)
+        engine.stats["accepted_tokens"] += j
+        results = []
+        for i, token in enumerate(kept):
+            finished = engine.scheduler.advance(seq, token, out, snapshot=i == len(kept) - 1)
+            engine.stats["generation_tokens"] += 1
+            try:
+                results.append(engine._emit(seq, token, None, finished))
+            except Exception as e:  # noqa: BLE001 - this request's output failed
+                results.append(engine._fail(seq, token, e))
+            if seq.is_finished:
+                break
+        engine.runner.copy_snapshots(out.snapshot_saves, save=True)
+        return results

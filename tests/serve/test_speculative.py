@@ -38,7 +38,7 @@ def test_ngram_drafts():
 def oracle_drafts(monkeypatch, model, prompts, n=40):
     """Drafts from the model's own greedy continuation, spoiled at some steps (one wrong
     token partway, or all wrong), so every path runs: all kept, some kept, none kept."""
-    import hyla.serve.engine as engine_module
+    import hyla.serve.speculative as engine_module
 
     truth = {tuple(p): generate(model, p, n, temperature=0) for p in prompts}
 
@@ -141,7 +141,7 @@ def test_cancels_mid_speculation_leave_the_cache_consistent():
 def test_drafts_that_keep_failing_back_off():
     """A request whose drafts all fail drafts again after 1, 2, 4 ... 64 plain steps: on
     text that never repeats, speculation costs next to nothing."""
-    import hyla.serve.engine as engine_module
+    import hyla.serve.speculative as engine_module
 
     model = _model("GGGA")
     calls = []

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from hyla.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
 from hyla.model.config import HylaConfig
-from hyla.model.formats.hf.tokenizer import load_hf_tokenizer
+from hyla.model.formats.hf.tokenizer import hf_form, load_hf_tokenizer
 from hyla.model.model import HylaLM
 
 CONFIG = "config.json"
@@ -45,8 +45,7 @@ def save_checkpoint(model: HylaLM, out_dir: str | os.PathLike,
     _atomic(out / WEIGHTS, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
     config = json.dumps(model.cfg.to_dict(), indent=2) + "\n"
     _atomic(out / CONFIG, lambda tmp: tmp.write_text(config, encoding="utf-8"))
-    if hasattr(tokenizer, "as_hf_tokenizer"):      # Kimi's tiktoken: as tokenizer.json
-        tokenizer = tokenizer.as_hf_tokenizer()
+    tokenizer = hf_form(tokenizer)      # Kimi's tiktoken: as a tokenizer.json
     if isinstance(tokenizer, BPETokenizer):
         _atomic(out / TOKENIZER, tokenizer.save)
     return out

@@ -86,7 +86,7 @@ class TiktokenTokenizer:
     ``decode``, ``eos_id``, ``stop_ids``, ``apply_chat_template``, ``save``). Special tokens
     written in a text are read as special tokens, as ``transformers`` reads its added
     tokens (a rendered chat template holds them). It saves as a ``tokenizer.json`` of the
-    same ids (:meth:`as_hf_tokenizer`)."""
+    same ids (:meth:`save`)."""
 
     stop_ids: tuple[int, ...] = ()
 
@@ -135,11 +135,11 @@ class TiktokenTokenizer:
                             add_generation_prompt: bool = True, **kwargs):
         """The prompt text (or ids, with ``tokenize``) of ``messages`` under the chat
         template; ValueError when the tokenizer has none."""
-        from hyla.model.formats.hf.tokenizer import _jinja_template
+        from hyla.model.formats.hf.chat_template import chat_template
 
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat_template")
-        text = _jinja_template(self.chat_template).render(
+        text = chat_template(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token, **kwargs)
         return self.encode(text) if tokenize else text
@@ -165,21 +165,17 @@ class TiktokenTokenizer:
             raise ValueError("the converted tokenizer numbers the special tokens differently")
         return tok
 
-    def as_hf_tokenizer(self):
-        """An :class:`~hyla.model.formats.hf.tokenizer.HFTokenizer` of the same ids, special
-        tokens and chat template: what a checkpoint or an export writes
-        (``tokenizer.json``), so that ``transformers`` and hyla read it back alike."""
-        from hyla.model.formats.hf.tokenizer import HFTokenizer
-
-        out = HFTokenizer(self.to_tokenizers(), self.eos_token, bos_token=self.bos_token,
-                          chat_template=self.chat_template)
-        out.stop_ids = self.stop_ids
-        return out
-
     def save(self, path) -> None:
-        """Write ``path`` (``tokenizer.json``) and ``tokenizer_config.json`` beside it: the
-        converted tokenizer (:meth:`as_hf_tokenizer`)."""
-        self.as_hf_tokenizer().save(path)
+        """Write ``path`` (``tokenizer.json``: :meth:`to_tokenizers`) and a
+        ``tokenizer_config.json`` beside it naming the special tokens and the chat template,
+        the Hugging Face layout (``transformers`` reads it without Kimi's code)."""
+        self.to_tokenizers().save(str(path))
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos_token,
+               "bos_token": self.bos_token}
+        if self.chat_template:
+            cfg["chat_template"] = self.chat_template
+        pathlib.Path(path).with_name("tokenizer_config.json").write_text(
+            json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
 
     def write_ranks(self, path: pathlib.Path) -> None:
         """Write the BPE ranks as a tiktoken file (``base64(token) rank`` lines)."""

@@ -21,13 +21,13 @@ hyla keeps a tokenizer as a ``tokenizers`` JSON file whose end-of-document token
 
 from __future__ import annotations
 
-import datetime
-import functools
 import json
 import logging
 import pathlib
 
 from hyla.data.tokenizer import EOS, BPETokenizer, ByteTokenizer
+from hyla.model.formats.hf.chat_template import chat_template
+from hyla.model.formats.hf.tiktoken_tokenizer import TiktokenTokenizer, load_tiktoken_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class HFTokenizer(BPETokenizer):
         template; ValueError when the tokenizer has none."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat_template")
-        text = _jinja_template(self.chat_template).render(
+        text = chat_template(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token, **kwargs)
         return self._tok.encode(text, add_special_tokens=False).ids if tokenize else text
@@ -125,28 +125,6 @@ class HFTokenizer(BPETokenizer):
             cfg["chat_template"] = self.chat_template
         pathlib.Path(path).with_name("tokenizer_config.json").write_text(
             json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
-
-
-@functools.lru_cache(maxsize=8)
-def _jinja_template(source: str):
-    # Chat templates from the hub are untrusted code: a sandboxed environment, as
-    # transformers uses, with the helpers its templates call.
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env.from_string(source)
 
 
 def _token_text(value) -> str | None:
@@ -249,10 +227,21 @@ def load_hf_tokenizer(root: pathlib.Path, vocab_size: int | None, *, required: b
     return out
 
 
+def hf_form(tokenizer):
+    """``tokenizer`` as a ``tokenizers`` file can hold it: Kimi's tiktoken one as an
+    :class:`HFTokenizer` of the same ids, special tokens and chat template (what a
+    checkpoint or an export writes, so that ``transformers`` reads it without Kimi's code);
+    any other as it is."""
+    if not isinstance(tokenizer, TiktokenTokenizer):
+        return tokenizer
+    out = HFTokenizer(tokenizer.to_tokenizers(), tokenizer.eos_token,
+                      bos_token=tokenizer.bos_token, chat_template=tokenizer.chat_template)
+    out.stop_ids = tokenizer.stop_ids
+    return out
+
+
 def _load_tiktoken(root: pathlib.Path, vocab_size: int | None):
     """Kimi's layout: ``tiktoken.model`` (:mod:`hyla.model.formats.hf.tiktoken_tokenizer`)."""
-    from hyla.model.formats.hf.tiktoken_tokenizer import load_tiktoken_tokenizer
-
     tok_config = _read_object(root / "tokenizer_config.json")
     eos_id = _read_object(root / "config.json").get("eos_token_id")
     tok = load_tiktoken_tokenizer(root, vocab_size, config=tok_config,
@@ -280,8 +269,7 @@ def save_hf_tokenizer(tokenizer: BPETokenizer | ByteTokenizer | None, out: pathl
     A model loaded without a tokenizer (None) is written without one."""
     if tokenizer is None:
         return {}
-    if hasattr(tokenizer, "as_hf_tokenizer"):      # Kimi's tiktoken: as tokenizer.json
-        tokenizer = tokenizer.as_hf_tokenizer()
+    tokenizer = hf_form(tokenizer)
     if isinstance(tokenizer, BPETokenizer):
         tokenizer.save(out / "tokenizer.json")
         eos, eos_id = tokenizer.eos_token, tokenizer.eos_id
