@@ -39,6 +39,17 @@ class EngineMetrics:
         self.capture_failures = Gauge("hyla_decode_cuda_graph_failures",
                                       "Decode shapes that could not be captured (run "
                                       "uncaptured)", registry=r)
+        # counters of the engine's running totals (hit rates over any window: rate() of
+        # the hits over rate() of the lookups)
+        self.cache_queries = Counter("hyla_prefix_cache_query_tokens",
+                                     "Prompt tokens looked up in the prefix cache", registry=r)
+        self.cache_hits = Counter("hyla_prefix_cache_hit_tokens",
+                                  "Prompt tokens served from the prefix cache", registry=r)
+        self.draft_tokens = Counter("hyla_spec_draft_tokens",
+                                    "Speculative draft tokens verified", registry=r)
+        self.accepted_tokens = Counter("hyla_spec_accepted_tokens",
+                                       "Speculative draft tokens the model kept", registry=r)
+        self._totals: dict[str, float] = {}
         self.prompt_tokens = Counter("hyla_prompt_tokens", "Prompt tokens computed",
                                      registry=r)
         self.generation_tokens = Counter("hyla_generation_tokens", "Tokens generated",
@@ -81,6 +92,13 @@ class EngineMetrics:
     def forget(self, request_id: str) -> None:
         self._last_token.pop(request_id, None)
 
+    def _catch_up(self, counter, total: float) -> None:
+        """Raise ``counter`` to the engine's running ``total`` (it never goes down)."""
+        seen = self._totals.get(counter._name, 0)
+        if total > seen:
+            counter.inc(total - seen)
+            self._totals[counter._name] = total
+
     def render(self, engine) -> bytes:
         """The exposition text, with gauges read from ``engine`` (an Engine, or None)."""
         if engine is not None:
@@ -92,6 +110,10 @@ class EngineMetrics:
                 self.kv_usage.set(s.blocks.num_used / s.blocks.num_blocks)
             if s.prefix_cache is not None:
                 self.cache_hit.set(s.prefix_cache.hit_rate)
+                self._catch_up(self.cache_queries, s.prefix_cache.query_tokens)
+                self._catch_up(self.cache_hits, s.prefix_cache.hit_tokens)
+            self._catch_up(self.draft_tokens, engine.stats["draft_tokens"])
+            self._catch_up(self.accepted_tokens, engine.stats["accepted_tokens"])
             self.compilations.set(engine.runner.num_compilations)
             self.captures.set(engine.runner.num_captures)
             graphs = engine.runner.graphs

@@ -169,3 +169,26 @@ def test_bad_settings_are_refused_naming_the_flag():
         Engine(model, None, EngineConfig(speculative="eagle"))
     with pytest.raises(ValueError, match="--num-speculative-tokens must be >= 1"):
         Engine(model, None, EngineConfig(speculative="ngram", num_speculative_tokens=0))
+
+
+def test_metrics_count_cache_hits_and_drafts(monkeypatch):
+    """/metrics counters follow the engine's totals, once each, however often it renders."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hyla.serve.metrics import EngineMetrics
+
+    model = _model("GGGA")
+    prompt = _repetitive(3)
+    oracle_drafts(monkeypatch, model, [prompt])
+    eng = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=128, speculative="ngram"))
+    metrics = EngineMetrics()
+    for _ in range(2):
+        eng.generate([prompt], GREEDY)
+        metrics.render(eng)
+    values = {s.name: s.value for f in text_string_to_metric_families(
+        metrics.render(eng).decode()) for s in f.samples}
+    pc = eng.scheduler.prefix_cache
+    assert values["hyla_prefix_cache_hit_tokens_total"] == pc.hit_tokens > 0
+    assert values["hyla_prefix_cache_query_tokens_total"] == pc.query_tokens
+    assert values["hyla_spec_draft_tokens_total"] == eng.stats["draft_tokens"] > 0
+    assert values["hyla_spec_accepted_tokens_total"] == eng.stats["accepted_tokens"] > 0
