@@ -17,10 +17,7 @@ from collections import defaultdict
 
 import torch
 
-from benchmarks.serve_common import engine, greedy
-from hyla.cli.model_flags import resolve_quantize
-from hyla.model.load import load_model
-from hyla.model.quantize import quantize_model
+from benchmarks.serve_common import engine, greedy, served_smollm2
 
 # op name fragments -> kind, first match wins
 KINDS = (("int4pack", "int4 matmul"), ("int8pack", "int8 matmul"), ("quantized::", "int8 matmul"),
@@ -127,9 +124,7 @@ def main(run) -> None:
     a = run.args
     torch.set_num_threads(a.threads or 1)
     tokens = 24 if a.quick else a.tokens
-    model, _ = load_model("smollm2")
-    scheme, why = resolve_quantize(model, a.quantize)
-    quantize_model(model, scheme)
+    model, _, scheme, why = served_smollm2(a.quantize)
     run.progress(f"scheme {scheme} {why}")
     rows, profiles = [], {}
     for compiled in (False, True) if a.compile else (False,):

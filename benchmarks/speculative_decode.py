@@ -17,10 +17,7 @@ import statistics
 
 import torch
 
-from benchmarks.serve_common import decode_rate, engine, greedy
-from hyla.cli.model_flags import resolve_quantize
-from hyla.model.load import load_model
-from hyla.model.quantize import quantize_model
+from benchmarks.serve_common import decode_rate, engine, greedy, served_smollm2
 
 CODE = '''def moving_average(values, window):
     """The mean of each run of `window` consecutive values."""
@@ -52,9 +49,7 @@ def main(run) -> None:
     a = run.args
     torch.set_num_threads(a.threads or 1)
     tokens = 48 if a.quick else a.tokens
-    model, tok = load_model("smollm2")
-    scheme, _ = resolve_quantize(model, a.quantize)
-    quantize_model(model, scheme)
+    model, tok, scheme, _ = served_smollm2(a.quantize)
     engines = {"plain": engine(model, tok, max_num_seqs=1, max_model_len=1024),
                "ngram": engine(model, tok, max_num_seqs=1, max_model_len=1024,
                                speculative="ngram", num_speculative_tokens=a.k)}

@@ -436,10 +436,7 @@ class Scheduler:
         pc = self.prefix_cache
         if pc is None:
             return
-        hashes = self._hashes.get(seq.request_id)
-        if hashes is None:
-            hashes = self._hashes[seq.request_id] = block_hashes(seq.prompt_ids,
-                                                                 self.config.block_size)
+        hashes = self._hashes_of(seq)
         n = seq.num_computed_tokens
         full = min(n // self.config.block_size, len(hashes))
         held = [(h, b) for h, b in zip(hashes[:full], seq.block_table[:full], strict=False)
@@ -450,6 +447,15 @@ class Scheduler:
             if snap is not None:
                 out.snapshot_saves.append((seq.slot, snap))
 
+    def _hashes_of(self, seq: Sequence) -> list[int]:
+        """The chained hashes of ``seq``'s full blocks known so far (its prompt's at first;
+        :meth:`_cache_decoded` extends them over its output)."""
+        hashes = self._hashes.get(seq.request_id)
+        if hashes is None:
+            hashes = self._hashes[seq.request_id] = block_hashes(seq.prompt_ids,
+                                                                 self.config.block_size)
+        return hashes
+
     def _cache_decoded(self, seq: Sequence, out: SchedulerOutput, *,
                        snapshot: bool = True) -> None:
         """A decoded token that fills a block past the prompt: the block joins the cache
@@ -457,10 +463,7 @@ class Scheduler:
         pc, bs, n = self.prefix_cache, self.config.block_size, seq.num_computed_tokens
         if pc is None or n % bs or n <= seq.num_prompt_tokens or seq.slot is None:
             return
-        hashes = self._hashes.get(seq.request_id)
-        if hashes is None:
-            hashes = self._hashes[seq.request_id] = block_hashes(seq.prompt_ids, bs)
-        extend_hashes(hashes, seq.all_token_ids[:n], bs)
+        hashes = extend_hashes(self._hashes_of(seq), seq.all_token_ids[:n], bs)
         block = seq.block_table[n // bs - 1] if len(seq.block_table) >= n // bs else None
         if block is not None and block != self.released_block:
             pc.insert_blocks([hashes[n // bs - 1]], [block])

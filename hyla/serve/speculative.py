@@ -58,11 +58,9 @@ class NgramSpeculator:
         kept. Drafts the model rejects were consumed by the recurrent states: those are
         restored and the kept tokens recomputed, so the state is exactly the one plain
         decoding would hold. None (a plain step follows) where it does not apply."""
-        c = engine.config
         # (restores: a prompt one token past its cached prefix runs as a decode, and its
         # snapshot must be restored first: a plain step does that)
-        if (c.speculative is None or out.prefills or out.loads or out.restores
-                or len(out.decodes) != 1):
+        if out.prefills or out.loads or out.restores or len(out.decodes) != 1:
             return None
         seq = out.decodes[0]
         p, n = seq.params, seq.num_computed_tokens

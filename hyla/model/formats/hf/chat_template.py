@@ -35,3 +35,15 @@ def chat_template(source: str):
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     return env.from_string(source)
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                **kwargs) -> str:
+    """The prompt text of ``messages`` under ``tokenizer``'s ``chat_template``, with its
+    ``bos_token`` and ``eos_token``, as ``transformers`` renders it; ValueError when the
+    tokenizer has none."""
+    if not tokenizer.chat_template:
+        raise ValueError("this tokenizer has no chat_template")
+    return chat_template(tokenizer.chat_template).render(
+        messages=messages, add_generation_prompt=add_generation_prompt,
+        bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token, **kwargs)

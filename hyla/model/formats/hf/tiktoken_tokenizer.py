@@ -27,6 +27,8 @@ import operator
 import pathlib
 import re
 
+from hyla.model.formats.hf.chat_template import render_chat
+
 FILE = "tiktoken.model"
 # tokenization_kimi.py's pattern, alternative by alternative (``&&`` intersects classes)
 KIMI_PATTERN = "|".join([
@@ -135,13 +137,7 @@ class TiktokenTokenizer:
                             add_generation_prompt: bool = True, **kwargs):
         """The prompt text (or ids, with ``tokenize``) of ``messages`` under the chat
         template; ValueError when the tokenizer has none."""
-        from hyla.model.formats.hf.chat_template import chat_template
-
-        if not self.chat_template:
-            raise ValueError("this tokenizer has no chat_template")
-        text = chat_template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token, **kwargs)
+        text = render_chat(self, messages, add_generation_prompt, **kwargs)
         return self.encode(text) if tokenize else text
 
     def to_tokenizers(self):
@@ -240,30 +236,32 @@ def load_tiktoken_tokenizer(root: pathlib.Path, vocab_size: int | None, *,
         config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     ranks = read_ranks(root / FILE)
     base = len(ranks)
-    special = {f"<|reserved_token_{i}|>": i for i in range(base, base + NUM_SPECIAL)}
+    where = root / "tokenizer_config.json"
+    by_id = {i: f"<|reserved_token_{i}|>" for i in range(base, base + NUM_SPECIAL)}
     named = config.get("added_tokens_decoder") or {}
     if not isinstance(named, dict):
-        raise ValueError(f"{root / 'tokenizer_config.json'}: added_tokens_decoder must be an "
-                         f"object of id -> token")
-    named_texts: dict[str, int] = {}
+        raise ValueError(f"{where}: added_tokens_decoder must be an object of id -> token")
+    renamed: dict[str, int] = {}
     for key, value in sorted(named.items(), key=lambda kv: str(kv[0])):
         text = value.get("content") if isinstance(value, dict) else value
         if not (isinstance(key, str) and key.isdigit() and isinstance(text, str) and text):
-            raise ValueError(f"{root / 'tokenizer_config.json'}: added_tokens_decoder entry "
-                             f"{key!r} is not an id with a token")
+            raise ValueError(f"{where}: added_tokens_decoder entry {key!r} is not an id with "
+                             f"a token")
         token_id = int(key)
         if not base <= token_id < base + NUM_SPECIAL:
-            raise ValueError(f"{root / 'tokenizer_config.json'}: special token {text!r} has id "
-                             f"{token_id}, outside the {NUM_SPECIAL} ids after the BPE's "
-                             f"{base} ([{base}, {base + NUM_SPECIAL}))")
-        if text in named_texts:
-            raise ValueError(f"{root / 'tokenizer_config.json'}: special token {text!r} is "
-                             f"named for ids {named_texts[text]} and {token_id}")
-        named_texts[text] = token_id
-        special = {t: i for t, i in special.items() if i != token_id}
-        if text in special:     # the name of a reserved id that no entry renamed
-            raise ValueError(f"{root / 'tokenizer_config.json'}: special token {text!r} "
-                             f"(id {token_id}) is also reserved id {special[text]}'s name")
+            raise ValueError(f"{where}: special token {text!r} has id {token_id}, outside the "
+                             f"{NUM_SPECIAL} ids after the BPE's {base} "
+                             f"([{base}, {base + NUM_SPECIAL}))")
+        if text in renamed:
+            raise ValueError(f"{where}: special token {text!r} is named for ids "
+                             f"{renamed[text]} and {token_id}")
+        renamed[text], by_id[token_id] = token_id, text
+    special: dict[str, int] = {}
+    for token_id, text in by_id.items():
+        if text in special:     # a name given to one id and left as another's reserved name
+            other = special[text] if renamed.get(text) == token_id else token_id
+            raise ValueError(f"{where}: special token {text!r} (id {renamed[text]}) is also "
+                             f"reserved id {other}'s name")
         special[text] = token_id
     n = base + NUM_SPECIAL
     if vocab_size is not None and n > vocab_size:
@@ -276,11 +274,9 @@ def load_tiktoken_tokenizer(root: pathlib.Path, vocab_size: int | None, *,
         return value if isinstance(value, str) and value in special else None
 
     # named by neither file: the id after the BPE's first special one, Kimi's [EOS]
-    by_id = {i: t for t, i in special.items()}
     named_eos = config.get("eos_token")
     if named_eos is not None and token_text(named_eos) is None:
-        raise ValueError(f"{root / 'tokenizer_config.json'}: eos_token {named_eos!r} is not "
-                         f"one of its special tokens")
+        raise ValueError(f"{where}: eos_token {named_eos!r} is not one of its special tokens")
     eos = (token_text(named_eos) or by_id.get(config_eos_id) or by_id[base + 1])
     return TiktokenTokenizer(ranks, special, eos, bos_token=token_text(config.get("bos_token")),
                              chat_template=chat_template)

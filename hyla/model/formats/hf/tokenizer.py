@@ -26,7 +26,7 @@ import logging
 import pathlib
 
 from hyla.data.tokenizer import EOS, BPETokenizer, ByteTokenizer
-from hyla.model.formats.hf.chat_template import chat_template
+from hyla.model.formats.hf.chat_template import render_chat
 from hyla.model.formats.hf.tiktoken_tokenizer import TiktokenTokenizer, load_tiktoken_tokenizer
 
 log = logging.getLogger(__name__)
@@ -108,11 +108,7 @@ class HFTokenizer(BPETokenizer):
                             add_generation_prompt: bool = True, **kwargs):
         """The prompt text (or ids, with ``tokenize``) of ``messages`` under the chat
         template; ValueError when the tokenizer has none."""
-        if not self.chat_template:
-            raise ValueError("this tokenizer has no chat_template")
-        text = chat_template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token, **kwargs)
+        text = render_chat(self, messages, add_generation_prompt, **kwargs)
         return self._tok.encode(text, add_special_tokens=False).ids if tokenize else text
 
     def save(self, path) -> None:
