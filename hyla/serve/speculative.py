@@ -1,7 +1,7 @@
 """Draft tokens for speculative decoding by n-gram lookup in the sequence itself (prompt
 lookup decoding): where the last few tokens occurred before, guess that what followed them
 then follows now. Free to compute, and right often on repetitive work (editing code,
-quoting the prompt). Pure Python.
+quoting the prompt). Pure Python: the engine's runner does the torch side.
 
 The engine (:meth:`hyla.serve.engine.Engine.step`) verifies the drafts in one forward and
 keeps the longest prefix the model agrees with, plus the model's own next token; a recurrent
@@ -18,8 +18,6 @@ Example:
 from __future__ import annotations
 
 import time
-
-from hyla.model.sampler import is_greedy
 
 SPECULATIVE_METHODS = ("ngram",)
 
@@ -64,7 +62,7 @@ class NgramSpeculator:
             return None
         seq = out.decodes[0]
         p, n = seq.params, seq.num_computed_tokens
-        if (not is_greedy(p.temperature) or p.logprobs is not None or n == 0
+        if (not p.greedy or p.logprobs is not None or n == 0
                 or seq.request_id in engine._prefill_only):
             return None
         wait, backoff = self._backoff.get(seq.request_id, (0, 0))

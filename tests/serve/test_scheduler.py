@@ -16,7 +16,8 @@ from hyla.serve.state_pool import StatePool
 
 
 def test_policy_modules_import_no_torch():
-    code = ("import sys, hyla.serve.scheduler, hyla.serve.prefix_cache; "
+    code = ("import sys, hyla.serve.scheduler, hyla.serve.prefix_cache, "
+            "hyla.serve.speculative; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
