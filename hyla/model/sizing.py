@@ -158,8 +158,8 @@ def parameter_counts(cfg: HylaConfig) -> dict:
 
 
 def layer_windows(cfg: HylaConfig) -> list[int | None]:
-    """Per layer: its sliding window when the layer keeps keys a token (a growing state)
-    and attends to its last ``sliding_window`` tokens only; None otherwise.
+    """Per layer: its sliding window when the layer attends to its last ``sliding_window``
+    tokens only (keeping them in a ring: :attr:`StateSpec.window`); None otherwise.
 
     Example:
         >>> cfg = HylaConfig(vocab_size=256, d_model=64, layers="GAA", n_heads=4, ffn_dim=128,
@@ -167,19 +167,20 @@ def layer_windows(cfg: HylaConfig) -> list[int | None]:
         >>> layer_windows(cfg)
         [None, 8, None]
     """
-    return [cfg.layer_config(i).sliding_window if spec.per_token else None
-            for i, spec in enumerate(layer_specs(cfg))]
+    return [spec.window for spec in layer_specs(cfg)]
 
 
 def bounded_state_bytes(cfg: HylaConfig, context: int,
                         kv_dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes a sequence needs after ``context`` tokens when each sliding-window layer keeps
-    only its window (as transformers' caches do, and what a prefill must hand over); the
-    StateSpecs' own total (:func:`hyla.eval.memory.state_bytes`) where no layer slides."""
+    """Bytes a sequence holds after ``context`` tokens: a sliding-window layer's ring
+    counts the rows it has filled (``min(context, window)``, as transformers' caches hold),
+    every other layer its StateSpec's bytes (:func:`hyla.eval.memory.state_bytes`)."""
     total = 0
-    for spec, w in zip(layer_specs(cfg), layer_windows(cfg), strict=True):
-        total += spec.fixed_bytes(kv_dtype) + min(context, w or context) * \
-            spec.per_token_bytes(kv_dtype)
+    for spec in layer_specs(cfg):
+        fixed = spec.fixed_bytes(kv_dtype)
+        if spec.window is not None:
+            fixed = fixed * min(context, spec.window) // spec.window
+        total += fixed + context * spec.per_token_bytes(kv_dtype)
     return total
 
 

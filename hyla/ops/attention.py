@@ -185,6 +185,20 @@ def attention_with_cache(q, k, v, kv_lens, *, scale=None, window=None, sinks=Non
     return _sdpa(q, k, v, scale=scale, mask=mask[:, None], sinks=sinks)
 
 
+def masked_attention(q, k, v, mask, *, scale=None, sinks=None):
+    """Softmax attention where a boolean ``mask`` [..., T, S] (broadcast to [B, H, T, S])
+    says which keys each query sees, e.g. keys held in a ring in any order.
+
+    Example:
+        >>> q = torch.randn(1, 2, 4, 8); kv = torch.randn(1, 3, 2, 8)
+        >>> mask = torch.tensor([[True, True, False], [True, True, True]])
+        >>> masked_attention(q, kv, kv, mask).shape
+        torch.Size([1, 2, 4, 8])
+    """
+    _check_qkv(q, k, v)
+    return _sdpa(q, k, v, scale=scale, mask=mask, sinks=sinks)
+
+
 def check_cu_seqlens(cu_seqlens, B: int, T: int) -> list[int]:
     """Validate packed-document offsets (B == 1, int [N + 1], 0 ... T); return them as a list."""
     if B != 1:

@@ -33,6 +33,20 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, sinks: int) -
     return (k >= 0) & (k <= q) & ((q - k < window) | (k < sinks))
 
 
+def ring_positions(last: torch.Tensor, window: int) -> torch.Tensor:
+    """The positions [N, window] a ring of ``window`` rows holds once it has stored every
+    position up to ``last`` [N] (row ``p % window`` holds position ``p``); -1 where a row
+    holds nothing yet. A sliding-window layer's keys kept this way take fixed memory.
+
+    Example:
+        >>> ring_positions(torch.tensor([1, 5]), 4).tolist()
+        [[0, 1, -1, -1], [4, 5, 2, 3]]
+    """
+    rows = torch.arange(window, device=last.device)
+    held = last[:, None] - torch.remainder(last[:, None] - rows[None], window)
+    return torch.where(held >= 0, held, -1)
+
+
 def sink_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           positions: torch.Tensor, *, window: int, sinks: int = 0,
                           cu_seqlens: torch.Tensor | None = None,

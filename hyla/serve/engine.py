@@ -25,28 +25,6 @@ from hyla.serve.sequence import SamplingParams, Sequence
 from hyla.serve.speculative import SPECULATIVE_METHODS, NgramSpeculator
 
 
-def kv_window(model: HylaLM) -> int | None:
-    """The window beyond which no layer reads its KV rows, which the scheduler may then free:
-    the largest ``sliding_window`` of the layers holding per-token state, or None when any
-    of them sees every token (MiMo-V2-Flash mixes window and full layers: its blocks stay).
-
-    Example:
-        >>> from hyla.model.config import HylaConfig
-        >>> cfg = HylaConfig(vocab_size=256, d_model=64, layers="AA", n_heads=4, ffn_dim=128,
-        ...                  sliding_window=8, layer_overrides=[{}, {"sliding_window": None}])
-        >>> every = dataclasses.replace(cfg, layer_overrides=None)
-        >>> kv_window(HylaLM(cfg)), kv_window(HylaLM(every))
-        (None, 8)
-    """
-    cfg, windows = model.cfg, []
-    for i, spec in enumerate(model.state_specs):
-        if spec.per_token:
-            windows.append(cfg.layer_config(i).sliding_window)
-    if not windows or None in windows:
-        return None
-    return max(windows)
-
-
 @dataclass(kw_only=True)
 class EngineConfig:
     """Engine capacity and behaviour.
@@ -227,8 +205,7 @@ class Engine:
             max_model_len=c.max_model_len, block_size=c.block_size,
             num_kv_blocks=blocks if has_attn else 0, decode_widths=c.decode_widths,
             enable_prefix_caching=c.enable_prefix_caching,
-            num_state_snapshots=snaps if has_gla else 0, snapshot_interval=c.snapshot_interval,
-            sliding_window=kv_window(model)))
+            num_state_snapshots=snaps if has_gla else 0, snapshot_interval=c.snapshot_interval))
         kv_dtype = kv_dtype_for(model, c.kv_cache_dtype)
         self.runner = Runner(model, max_num_seqs=c.max_num_seqs, num_kv_blocks=blocks,
                              block_size=c.block_size,

@@ -67,16 +67,11 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     num_state_snapshots: int = 0
     snapshot_interval: int = 512
-    # the model's attention window (HylaConfig.sliding_window): KV blocks that fall out of a
-    # sequence's window are released while it runs
-    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
         if self.decode_widths is None:
             self.decode_widths = decode_widths(self.max_num_seqs)
         widths = tuple(sorted(set(self.decode_widths)))
@@ -232,12 +227,10 @@ class Scheduler:
         for seq in out.decodes:
             seq.num_computed_tokens += 1
             self._cache_decoded(seq, out)
-            self._release_out_of_window(seq)
         for chunk in out.prefills:
             seq = chunk.seq
             seq.num_computed_tokens = chunk.end
             self._cache_prefix(seq, out)
-            self._release_out_of_window(seq)
         for seq in [*out.decodes, *(c.seq for c in out.prefills if c.samples)]:
             if seq.is_finished:        # aborted meanwhile
                 continue
@@ -271,7 +264,6 @@ class Scheduler:
         rolling snapshot is not taken there). Returns whether the sequence finished."""
         seq.num_computed_tokens += 1
         self._cache_decoded(seq, out, snapshot=snapshot)
-        self._release_out_of_window(seq)
         seq.output_ids.append(token)
         reason = seq.stop_reason_for(token)
         if reason is not None:
@@ -439,9 +431,7 @@ class Scheduler:
         hashes = self._hashes_of(seq)
         n = seq.num_computed_tokens
         full = min(n // self.config.block_size, len(hashes))
-        held = [(h, b) for h, b in zip(hashes[:full], seq.block_table[:full], strict=False)
-                if b != self.released_block]
-        pc.insert_blocks([h for h, _ in held], [b for _, b in held])
+        pc.insert_blocks(hashes[:full], seq.block_table[:full])
         if n <= seq.num_prompt_tokens and pc.is_snapshot_boundary(n, seq.num_prompt_tokens):
             snap = pc.save_snapshot(hashes[n // self.config.block_size - 1])
             if snap is not None:
@@ -465,7 +455,7 @@ class Scheduler:
             return
         hashes = extend_hashes(self._hashes_of(seq), seq.all_token_ids[:n], bs)
         block = seq.block_table[n // bs - 1] if len(seq.block_table) >= n // bs else None
-        if block is not None and block != self.released_block:
+        if block is not None:
             pc.insert_blocks([hashes[n // bs - 1]], [block])
         if not snapshot:
             return
@@ -473,29 +463,6 @@ class Scheduler:
         if snap is not None:
             self._rolling[seq.request_id] = hashes[n // bs - 1]
             out.snapshot_saves.append((seq.slot, snap))
-
-    def _release_out_of_window(self, seq: Sequence) -> None:
-        """With a sliding window, give back the KV blocks no later token of ``seq`` reads:
-        the next query (position ``num_computed_tokens``) sees keys from ``num_computed_tokens
-        - window + 1`` on. Their places in the block table keep the positions of the others
-        and point at the runner's pad block (:attr:`released_block`), which attention never
-        reads unmasked. A cached block stays in the prefix cache, evictable."""
-        window, blocks = self.config.sliding_window, self.blocks
-        if window is None or blocks is None:
-            return
-        gone = min(max(0, seq.num_computed_tokens - window + 1) // self.config.block_size,
-                   len(seq.block_table))
-        table = seq.block_table
-        for i in range(gone - 1, -1, -1):           # released blocks form a prefix
-            if table[i] == self.released_block:
-                break
-            blocks.free([table[i]])
-            table[i] = self.released_block
-
-    @property
-    def released_block(self) -> int:
-        """What a released block's place in a table holds: the runner's pad block."""
-        return self.config.num_kv_blocks
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -517,7 +484,7 @@ class Scheduler:
             self.pool.free(seq.slot)
             seq.slot = None
         if self.blocks is not None and seq.block_table:
-            self.blocks.free([b for b in seq.block_table if b != self.released_block])
+            self.blocks.free(seq.block_table)
         seq.block_table = []
 
     def _finish(self, seq: Sequence, reason: str) -> None:

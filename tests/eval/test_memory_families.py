@@ -117,8 +117,10 @@ def test_states_are_per_layer_and_match_a_prefilled_state():
     model.prefill(torch.randint(0, 256, (9,)), st)
     assert st.nbytes == state_bytes(cfg, 9, kv_dtype=torch.float32)["total"]
     kv = [1, 0, 4, 2]                            # KV heads by layer, head_dim 16
-    assert [s.per_token_bytes(torch.bfloat16) for s in layer_specs(cfg)][::2] == \
-        [2 * h * 16 * 2 for h in kv[::2]]
+    ring_row = 2 * kv[2] * 16 * 2               # the window layer: a ring of 5 rows
+    assert [s.per_token_bytes(torch.bfloat16) for s in layer_specs(cfg)] == \
+        [2 * kv[0] * 16 * 2, 0, 0, 2 * kv[3] * 16 * 2]
+    assert layer_specs(cfg)[2].fixed_bytes(torch.bfloat16) == 5 * ring_row
     assert layer_windows(cfg) == [None, None, 5, None]
     spec = spec_from_config(cfg)
     grow = 2 * (1 + 2) * 16 * 2                  # layers 0 and 3, bf16 keys and values
@@ -126,7 +128,8 @@ def test_states_are_per_layer_and_match_a_prefilled_state():
     gla = layer_specs(cfg)[1].fixed_bytes()
     assert spec.state_bytes == gla + 5 * 2 * 4 * 16 * 2     # the window layer keeps 5 tokens
     assert bounded_state_bytes(cfg, 100) == gla + 100 * grow + 5 * 2 * 4 * 16 * 2
-    assert bounded_state_bytes(cfg, 3) == state_bytes(cfg, 3)["total"]
+    assert bounded_state_bytes(cfg, 3) == gla + 3 * grow + 3 * ring_row    # 3 rows filled
+    assert state_bytes(cfg, 3)["total"] == gla + 3 * grow + 5 * ring_row   # 5 held
     assert spec.attn_pair_flops == 2 * 4 * 4 * 16 and spec.active_params == \
         parameter_counts(cfg)["matmul_active"]
     f = prefill_flops(cfg, 20)
@@ -138,8 +141,8 @@ def test_report_rows_and_baseline_use_each_layers_config():
     r = memory_report(cfg, 64, model="x")
     assert r["model"] == "x" and r["active_params"] < r["params"] and r["moe_layers"] == 2
     (attn,) = [k for k in r["kinds"] if k["kind"] == "attention"]
-    assert attn["bytes"] == 64 * 2 * (1 + 4 + 2) * 16 * 2 and attn["layers"] == 3
-    assert r["windowed_layers"] == 1 and r["bounded_state_bytes"] < r["state_bytes"]
+    assert attn["bytes"] == (64 * (1 + 2) + 5 * 4) * 2 * 16 * 2 and attn["layers"] == 3
+    assert r["windowed_layers"] == 1 and r["bounded_state_bytes"] == r["state_bytes"]
     base = all_attention(cfg)       # every layer layer 0's attention (1 KV head), FFNs kept
     assert base.layers == "AAAA" and base.ffn_layers == cfg.ffn_layers
     assert [base.layer_config(i).n_kv_heads for i in range(4)] == [1, 1, 1, 1]

@@ -18,7 +18,6 @@ from hyla.model import HylaLM, SequenceState
 from hyla.model.config import HylaConfig
 from hyla.model.context import Context
 from hyla.model.mixers.attention import AttentionMixer
-from hyla.serve.engine import kv_window
 
 B, T, WINDOW = 2, 13, 5
 
@@ -111,7 +110,11 @@ def test_mimo_v2_flash_sinks_value_dim_and_window(window):
     got = ours(x, Context.train(torch.zeros(B, T, dtype=torch.long)))
     assert _close(got, want) < 1e-5
     spec = AttentionMixer.state_spec(cfg)
-    assert [e.shape for e in spec.per_token] == [(cfg.n_kv_heads, 24), (cfg.n_kv_heads, 16)]
+    rows = [(cfg.n_kv_heads, 24), (cfg.n_kv_heads, 16)]
+    if window:      # a ring of the window's rows, fixed in size
+        assert [e.shape for e in spec.fixed] == [(WINDOW, *r) for r in rows]
+    else:
+        assert [e.shape for e in spec.per_token] == rows
 
 
 @pytest.mark.parametrize("rope", [True, False])
@@ -178,29 +181,33 @@ def test_prefill_in_chunks_and_decode_match_the_forward(name):
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_engine_greedy_and_prefix_cache(name):
     model = _model(VARIANTS[name], 5)
-    assert kv_window(model) is None          # a full layer keeps every block
+    groups = [spec.group for spec in model.state_specs]
+    assert groups == ["full attention", "recurrent", "window", "window"]
     check_engine_greedy_matches_model_loop(model, 6, block_size=4)
     check_prefix_cache_snapshots(model, 7)
     check_prefill_only_hand_over(model, 8)
 
 
-def test_engine_frees_blocks_only_when_every_kv_layer_slides():
+def test_engine_with_window_layers_only_pages_nothing():
+    """Window layers keep rings in their slots: with no full-attention layer the engine
+    allocates no KV blocks at all."""
     model = _model(VARIANTS["sinks_value_dim"], 8)
     cfg = dataclasses.replace(model.cfg, layers="GGAA",
                               layer_overrides=[{}, {}] + model.cfg.layer_overrides[2:])
     sliding = HylaLM(cfg).eval()
     _randomise(sliding, 9)
-    assert kv_window(sliding) == 9
+    assert not any(spec.per_token for spec in sliding.state_specs)
     check_engine_greedy_matches_model_loop(sliding, 10, block_size=4)
 
 
-def test_engine_keeps_blocks_a_full_layer_reads():
+def test_engine_with_a_model_wide_window_and_one_full_layer():
     """A model-wide window with one full layer (``sliding_window: None`` in its override):
-    the engine must not free the blocks that full layer still reads."""
+    that layer pages its KV, the others keep rings."""
     model = _model(VARIANTS["gate_partial"], 11)
     overrides = [{"sliding_window": None}, {}, {"n_kv_heads": 4}, {}]
     cfg = dataclasses.replace(model.cfg, sliding_window=WINDOW, layer_overrides=overrides)
     mixed = HylaLM(cfg).eval()
     _randomise(mixed, 12)
-    assert kv_window(mixed) is None
+    assert [spec.group for spec in mixed.state_specs] == [
+        "full attention", "recurrent", "window", "window"]
     check_engine_greedy_matches_model_loop(mixed, 13, block_size=4)

@@ -29,7 +29,7 @@ def test_overrides_reach_each_layer_and_its_state():
     cfg = hybrid()
     model = HylaLM(cfg)
     specs = layer_specs(cfg)
-    assert specs[1].per_token[0].shape == (4, 16) and specs[3].per_token[0].shape == (2, 16)
+    assert specs[1].fixed[0].shape == (5, 4, 16) and specs[3].per_token[0].shape == (2, 16)
     assert model.blocks[1].mixer.cfg.sliding_window == 5
     assert model.blocks[3].mixer.cfg.sliding_window is None
     assert model.blocks[2].mlp.gate_proj.out_features == 48

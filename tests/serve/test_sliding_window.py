@@ -1,6 +1,6 @@
 """Sliding-window attention in the serving engine: greedy-equal to the model's own loop
-(chunked prefill, queueing, preemption, prefix-cache hits), and KV blocks that left a
-sequence's window are released while it runs."""
+(chunked prefill, queueing, preemption, prefix-cache hits), with each window layer's keys
+in a ring of its slot, so its memory stays flat however long the context."""
 
 from __future__ import annotations
 
@@ -20,8 +20,11 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 
 def _model(layers: str, window: int | None = WINDOW):
+    """``layers`` with ``window``; a lower-case ``a`` is a full-attention layer among them."""
     torch.manual_seed(0)
-    cfg = dataclasses.replace(preset("debug"), layers=layers, sliding_window=window)
+    full = [{"sliding_window": None} if c == "a" else {} for c in layers]
+    cfg = dataclasses.replace(preset("debug"), layers=layers.upper(), sliding_window=window,
+                              layer_overrides=full if "a" in layers else None)
     return HylaLM(cfg).eval()
 
 
@@ -37,7 +40,7 @@ def test_window_changes_the_model():
         assert not torch.allclose(_model("GA")(ids), _model("GA", None)(ids))
 
 
-@pytest.mark.parametrize("layers", ["GGGA", "AA"])
+@pytest.mark.parametrize("layers", ["GGGA", "AA", "GaGA"])
 @pytest.mark.parametrize("cfg", [
     dict(),
     dict(max_num_batched_tokens=12, snapshot_interval=8),      # chunks cross the window
@@ -50,36 +53,37 @@ def test_engine_greedy_matches_model_loop(layers, cfg):
     want = [generate(model, p, 16, temperature=0) for p in prompts]
     eng = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=96, block_size=BLOCK,
                                                       **cfg))
-    assert eng.scheduler.config.sliding_window == WINDOW
     seqs = eng.generate(prompts, GREEDY)
     assert [s.output_ids for s in seqs] == want
-    assert all(r == 0 for r in eng.scheduler.blocks.ref_count)
     assert eng.scheduler.pool.num_used == 0
-    if cfg.get("num_kv_blocks"):
-        assert eng.scheduler.num_preemptions > 0
+    blocks = eng.scheduler.blocks
+    assert (blocks is None) == ("a" not in layers)      # only a full layer pages its KV
+    if blocks is not None:
+        assert all(r == 0 for r in blocks.ref_count)
+        if cfg.get("num_kv_blocks"):
+            assert eng.scheduler.num_preemptions > 0
 
 
-def test_blocks_out_of_every_window_are_released():
+def test_window_layers_take_no_blocks_and_flat_memory():
+    """GGGA with a window: no KV blocks at all, the ring's bytes in the slot whatever the
+    context; GaAA with one full layer: blocks for that layer's context only."""
     model = _model("GGGA")
     eng = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=128, block_size=BLOCK,
                                                       max_num_batched_tokens=16))
+    assert eng.scheduler.blocks is None and eng.kv_cache_bytes == 0
+    ring = eng.runner.buffers[3]        # the attention layer's: a ring a slot
+    assert [tuple(b.shape[1:3]) for b in ring.values()] == [(WINDOW, model.cfg.n_kv_heads)] * 2
     prompts = _prompts(3, lo=50, hi=60)
-    seqs = [eng.add_request(p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
-            for p in prompts]
-    released, most = eng.scheduler.released_block, 0
-    while eng.has_unfinished():
-        eng.step()
-        for s in seqs:
-            held = [b for b in s.block_table if b != released]
-            most = max(most, len(held))
-            # everything before the next query's window is gone
-            first = max(0, s.num_computed_tokens - WINDOW + 1) // BLOCK
-            assert all(b == released for b in s.block_table[:first])
-    # a sequence holds the window's blocks and one being filled, not its whole context
-    assert most <= -(-WINDOW // BLOCK) + 2 + 16 // BLOCK
+    seqs = eng.generate(prompts, SamplingParams(max_tokens=40, temperature=0,
+                                                ignore_eos=True))
     assert [s.output_ids for s in seqs] == [generate(model, p, 40, temperature=0)
                                             for p in prompts]
-    assert all(r == 0 for r in eng.scheduler.blocks.ref_count)
+    mixed = _model("GaAA")
+    cfg = mixed.cfg
+    full = Engine(mixed, ByteTokenizer(), EngineConfig(max_model_len=128, block_size=BLOCK))
+    per_block = full.kv_cache_bytes // full.scheduler.config.num_kv_blocks
+    one_layer = BLOCK * 2 * cfg.n_kv_heads * cfg.head_dim * 4     # keys + values, fp32
+    assert per_block == one_layer
 
 
 def test_prefix_cache_hit_with_a_window():

@@ -14,13 +14,9 @@ from torch import nn
 
 from hyla.model.layers import RMSNorm, norm_weight, rotate, shared_rotary_tables
 from hyla.model.mixers.base import Mixer, StateSpec, TensorSpec, merge_kv_heads, register_mixer
-from hyla.ops.attention import (
-    attention,
-    attention_with_cache,
-    window_mask,
-    with_sinks,
-)
+from hyla.ops.attention import attention, attention_with_cache, masked_attention, with_sinks
 from hyla.ops.paged_attention import attend_compiled, attend_gathered, attend_spans
+from hyla.ops.window_attention import ring_positions, visible
 
 
 @dataclass(frozen=True)
@@ -91,9 +87,11 @@ class AttentionMixer(Mixer):
     q/k/v biases (``attention_bias``) and an o bias (``attention_out_bias``), RMSNorm on q
     and k before rotary (``qk_norm``; zero-centred with ``norm_zero_centred``), a head dim of
     its own (``attention_head_dim``), scaled RoPE (``rope_scaling``) and a causal sliding
-    window (``sliding_window``: training, prefill and decode alike; decode reads only the
-    blocks the window covers), plus :class:`AttentionOptions` (output gate, partial rotary,
-    NoPE, whole-projection q/k norms, a value head dim, a value scale, sinks).
+    window (``sliding_window``: training, prefill and decode alike; such a layer keeps its
+    last ``sliding_window`` keys and values in a ring, fixed memory however long the
+    context, instead of paged KV that grows), plus :class:`AttentionOptions` (output gate,
+    partial rotary, NoPE, whole-projection q/k norms, a value head dim, a value scale,
+    sinks).
 
     Example:
         >>> from hyla.model.config import preset
@@ -153,6 +151,10 @@ class AttentionMixer(Mixer):
     @classmethod
     def state_spec(cls, cfg) -> StateSpec:
         keys, values = (cfg.n_kv_heads, cfg.head_dim), (cfg.n_kv_heads, cls.value_head_dim(cfg))
+        w = cfg.sliding_window
+        if w is not None:       # a ring: row p % w holds position p
+            return StateSpec(cls.kind, fixed=(TensorSpec("keys", (w, *keys)),
+                                              TensorSpec("values", (w, *values))), window=w)
         return StateSpec(cls.kind, per_token=(TensorSpec("keys", keys),
                                               TensorSpec("values", values)))
 
@@ -298,24 +300,45 @@ class AttentionMixer(Mixer):
         return self.sinks if self.opts.sinks else None
 
     def _attend_chunks(self, q, k, v, ctx) -> torch.Tensor:
+        if self.cfg.sliding_window is not None:
+            return self._ring_chunks(q, k, v, ctx)
         buf = ctx.buffers[self.layer_idx]
-        window = self.cfg.sliding_window
         ctx.append_rows(buf["keys"], k[0])
         ctx.append_rows(buf["values"], v[0])
         outs, s = [], 0
         for j, (start, n) in enumerate(zip(ctx.starts, ctx.lengths, strict=True)):
             qc = q[:, s:s + n]
             if start == 0:      # the chunk is all there is: attend to its fresh keys
-                o = attention(qc, k[:, s:s + n], v[:, s:s + n], causal=True, window=window,
+                o = attention(qc, k[:, s:s + n], v[:, s:s + n], causal=True,
                               sinks=self._sinks())
             else:
-                # with a window, rows before the first query's window are never read (the
-                # engine may have freed their blocks)
-                first = 0 if window is None else max(0, start - window + 1)
-                keys = ctx.sequence_rows(buf["keys"], j, start + n, first)[None].to(q.dtype)
-                values = ctx.sequence_rows(buf["values"], j, start + n, first)[None].to(q.dtype)
-                o = attention_with_cache(qc, keys, values, torch.tensor([start + n - first]),
-                                         window=window, sinks=self._sinks())
+                keys = ctx.sequence_rows(buf["keys"], j, start + n)[None].to(q.dtype)
+                values = ctx.sequence_rows(buf["values"], j, start + n)[None].to(q.dtype)
+                o = attention_with_cache(qc, keys, values, torch.tensor([start + n]),
+                                         sinks=self._sinks())
+            outs.append(o)
+            s += n
+        return torch.cat(outs, dim=1)
+
+    def _ring_chunks(self, q, k, v, ctx) -> torch.Tensor:
+        """Prefill of a sliding-window layer: each chunk sees what its sequence's ring holds
+        (the window before it) and itself; its last ``window`` rows then go to the ring."""
+        buf, W = ctx.buffers[self.layer_idx], self.cfg.sliding_window
+        outs, s = [], 0
+        for j, (start, n) in enumerate(zip(ctx.starts, ctx.lengths, strict=True)):
+            sl, row, pos = slice(s, s + n), ctx.slots[j], ctx.positions[s:s + n]
+            if start == 0:
+                o = attention(q[:, sl], k[:, sl], v[:, sl], causal=True, window=W,
+                              sinks=self._sinks())
+            else:
+                held = ring_positions(pos[:1] - 1, W)[0]
+                keys = torch.cat([buf["keys"][row].to(q.dtype), k[0, sl]])[None]
+                values = torch.cat([buf["values"][row].to(q.dtype), v[0, sl]])[None]
+                mask = visible(pos, torch.cat([held, pos]), W, 0)
+                o = masked_attention(q[:, sl], keys, values, mask, sinks=self._sinks())
+            keep = slice(max(0, n - W), n)          # only the last W reach the ring
+            for name, x in (("keys", k), ("values", v)):
+                buf[name][row, pos[keep] % W] = x[0, sl][keep].to(buf[name].dtype)
             outs.append(o)
             s += n
         return torch.cat(outs, dim=1)
@@ -326,10 +349,11 @@ class AttentionMixer(Mixer):
         lengths = self._rope_lengths(ctx)
         q, k, v, gate = self._project(x, positions[:, None],
                                       None if lengths is None else lengths[:, None], ctx.memo)
+        if self.cfg.sliding_window is not None:
+            return self._output(self._ring_step(q, k, v, ctx), gate)
         ctx.append_rows(buf["keys"], k[:, 0])
         ctx.append_rows(buf["values"], v[:, 0])
-        window = self.cfg.sliding_window
-        if window is None and not self.opts.sinks:
+        if not self.opts.sinks:
             # every row of its sequence is visible to the query: read them in place, as
             # views the engine worked out (eager), or inside one op when compiled (the graph
             # then does not depend on the block tables' length: one for every context)
@@ -341,36 +365,34 @@ class AttentionMixer(Mixer):
             else:                                               # wide batches
                 o = attend_gathered(q, keys, values, ctx.block_tables, positions)
             return self._output(o, gate)
-        if window is None:
-            keys = ctx.batch_rows(buf["keys"]).to(q.dtype)      # [B, blocks * bs, Hkv, D]
-            values = ctx.batch_rows(buf["values"]).to(q.dtype)
-            key_pos = torch.arange(keys.shape[1], device=x.device)[None, :]
-            mask = key_pos <= positions[:, None]
-        else:
-            keys, values, key_pos, valid = self._window_rows(buf, ctx)
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
-            mask = valid & window_mask(positions[:, None], key_pos, window)[:, 0]
-        # Inline masked SDPA: attention_with_cache's range checks would break a compiled graph.
+        keys = ctx.batch_rows(buf["keys"]).to(q.dtype)      # [B, blocks * bs, Hkv, D]
+        values = ctx.batch_rows(buf["values"]).to(q.dtype)
+        key_pos = torch.arange(keys.shape[1], device=x.device)[None, :]
+        return self._output(self._masked_step(q, keys, values, key_pos <= positions[:, None]),
+                            gate)
+
+    def _masked_step(self, q, keys, values, mask) -> torch.Tensor:
+        """One query a sequence over its keys, ``mask`` [B, S] saying which are real. Inline
+        SDPA: attention_with_cache's range checks would break a compiled graph."""
         mask, scale = mask[:, None, None], None
         if self.opts.sinks:
             q, keys, values, mask, scale = with_sinks(q, keys, values, mask, self.sinks)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
                                            values.transpose(1, 2), attn_mask=mask, scale=scale,
                                            enable_gqa=keys.shape[2] != q.shape[2])
-        return self._output(o.transpose(1, 2), gate)
+        return o.transpose(1, 2)
 
-    def _window_rows(self, buf, ctx):
-        """Decode with a sliding window: only the blocks the window covers, a fixed number a
-        sequence (so the cost stays flat with context and freed blocks are never read).
-        Returns keys, values [B, n * bs, Hkv, D], their positions and which are real rows."""
-        bs, tables, positions = ctx.block_size, ctx.block_tables, ctx.positions
-        n = min((self.cfg.sliding_window - 1) // bs + 2, tables.shape[1])
-        raw = (positions // bs)[:, None] - n + 1 + torch.arange(n, device=positions.device)
-        idx = raw.clamp(min=0)                                  # [B, n] block numbers
-        blocks = tables.gather(1, idx)
-        keys = buf["keys"][blocks].flatten(1, 2)
-        values = buf["values"][blocks].flatten(1, 2)
-        offsets = torch.arange(bs, device=positions.device)
-        key_pos = (idx[:, :, None] * bs + offsets).flatten(1)                # [B, n * bs]
-        valid = (raw >= 0)[:, :, None].expand(-1, -1, bs).flatten(1)
-        return keys, values, key_pos, valid
+    def _ring_step(self, q, k, v, ctx) -> torch.Tensor:
+        """Decode of a sliding-window layer: the new row goes to its place in the ring,
+        then the query reads the whole ring, which then holds exactly its window (rows not
+        written yet are masked; order does not matter to softmax). Tensors only."""
+        buf, W, P = ctx.buffers[self.layer_idx], self.cfg.sliding_window, ctx.positions
+        for name, x in (("keys", k), ("values", v)):
+            buf[name][ctx.slots, P % W] = x[:, 0].to(buf[name].dtype)
+        rows = ctx.slots if ctx.slot_span is None else ctx.slot_span
+        key = ("ring mask", W)          # the same for every layer of this window
+        mask = ctx.memo.get(key)
+        if mask is None:
+            mask = ctx.memo[key] = ring_positions(P, W) >= 0
+        return self._masked_step(q, buf["keys"][rows].to(q.dtype),
+                                 buf["values"][rows].to(q.dtype), mask)

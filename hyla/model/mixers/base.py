@@ -61,6 +61,17 @@ class StateSpec:
     kind: str
     fixed: tuple[TensorSpec, ...] = ()
     per_token: tuple[TensorSpec, ...] = ()
+    # a sliding-window layer: its fixed entries are rings of its last ``window`` tokens'
+    # rows (the layer groups memory is counted by: full attention, window, recurrent)
+    window: int | None = None
+
+    @property
+    def group(self) -> str:
+        """The memory group: "full attention" (grows a row a token), "window" (a ring of
+        the last ``window`` tokens) or "recurrent" (fixed size)."""
+        if self.per_token:
+            return "full attention"
+        return "window" if self.window is not None else "recurrent"
 
     @property
     def entries(self) -> tuple[TensorSpec, ...]:

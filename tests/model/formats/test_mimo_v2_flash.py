@@ -15,7 +15,7 @@ from hf_reference import reference
 
 from hyla.data.tokenizer import train_bpe
 from hyla.model import load_model
-from hyla.serve.engine import Engine, EngineConfig, kv_window
+from hyla.serve.engine import Engine, EngineConfig
 from hyla.serve.sequence import SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -67,7 +67,9 @@ def test_logits_prefill_decode_and_export(saved, tmp_path):
     ref, path = saved
     model, tok = load_model(path)
     cfg = model.cfg
-    assert cfg.layers == "AAAA" and cfg.ffn_layers == "SESE" and kv_window(model) is None
+    assert cfg.layers == "AAAA" and cfg.ffn_layers == "SESE"
+    assert [s.group for s in model.state_specs] == ["full attention", "window", "window",
+                                                    "full attention"]
     assert [cfg.layer_config(i).sliding_window for i in range(4)] == [None, 7, 7, None]
     ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

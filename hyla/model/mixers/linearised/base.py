@@ -28,7 +28,7 @@ from torch import nn
 from hyla.model.layers import RMSNorm, rotate, shared_rotary_tables
 from hyla.model.mixers.attention import AttentionMixer
 from hyla.model.mixers.base import TensorSpec
-from hyla.ops.window_attention import sink_window_attention, visible
+from hyla.ops.window_attention import ring_positions, sink_window_attention, visible
 
 
 class LinearisedAttention:
@@ -168,8 +168,7 @@ class LinearisedAttention:
         """The positions [N, E] of what :meth:`_held_rows` gives (-1: empty)."""
         c = self.cfg
         W, S = c.linear_window, c.window_sinks
-        slot = torch.arange(W, device=last.device)
-        ring_pos = last[:, None] - torch.remainder(last[:, None] - slot[None], W)   # [N, W]
+        ring_pos = ring_positions(last, W)
         ring_pos = torch.where(ring_pos >= S, ring_pos, -1)
         if not S:
             return ring_pos
