@@ -109,9 +109,10 @@ def cmd_memory(args: argparse.Namespace, out: Console) -> int:
     if report["moe_layers"] or report["attention_active_params"] != report["attention_params"]:
         table.add_row("active parameters a token", f"{report['active_params'] / 1e6:,.1f}M",
                       f"{report['attention_active_params'] / 1e6:,.1f}M")
-    if report["windowed_layers"]:
-        table.add_row(f"per sequence, {report['windowed_layers']} window layers keeping "
-                      f"their window only", format_bytes(report["bounded_state_bytes"]), "-")
+    if report["bounded_state_bytes"] != report["state_bytes"]:
+        # a context shorter than a window: its ring is allocated whole, filled in part
+        table.add_row(f"per sequence, {report['windowed_layers']} window rings filled to "
+                      f"the context", format_bytes(report["bounded_state_bytes"]), "-")
     out.print(table)
     line = published_line(report)
     if line:

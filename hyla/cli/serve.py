@@ -328,9 +328,16 @@ def warm_up(async_engine, args: argparse.Namespace, out: Console, ready: threadi
         from hyla.model.quantize import prepare_copies
 
         prepare_copies(engine.model)       # before compiling: the graphs read them
-    from hyla.serve.memory_report import breakdown, describe, rss_bytes
+    from hyla.serve.memory_report import (
+        breakdown,
+        describe,
+        describe_groups,
+        group_bytes,
+        rss_bytes,
+    )
 
     out.print(describe(breakdown(engine, rss_before_model)))
+    out.print(describe_groups(group_bytes(engine)))
     if args.compile and not args.cuda_graphs:
         began = time.perf_counter()
         try:

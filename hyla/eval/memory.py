@@ -198,9 +198,9 @@ def memory_report(cfg: HylaConfig | str, context: int | str, budget_gib: float |
     Also ``model`` (``model``, e.g. the directory a config came from, or the preset name),
     ``active_params`` and ``attention_active_params`` (a token's: a mixture of experts
     counts its routed top-k and shared experts; :func:`hyla.model.sizing.parameter_counts`),
-    ``moe_layers``, ``windowed_layers`` (layers with a sliding window) and
-    ``bounded_state_bytes``: the state when those layers keep only their window (the
-    StateSpecs' ``state_bytes`` keeps every token's keys).
+    ``moe_layers``, ``windowed_layers`` (layers with a sliding window, which keep a ring of
+    their window: ``state_bytes`` counts it whole) and ``bounded_state_bytes``: the rows
+    those rings have filled at ``context`` (less than ``state_bytes`` below a window).
 
     Example:
         >>> r = memory_report("laplace-3b", "8K", budget_gib=80)

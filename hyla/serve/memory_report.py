@@ -61,6 +61,37 @@ def tensor_bytes(model: nn.Module) -> dict[str, int]:
     return out
 
 
+GROUPS = ("full attention", "window", "recurrent")
+
+
+def group_bytes(engine) -> dict[str, dict[str, int]]:
+    """Per memory group (:attr:`~hyla.model.mixers.StateSpec.group`): ``{"in_use",
+    "reserved", "unit"}`` bytes. Full-attention layers page their KV in blocks (``unit``:
+    a block's bytes); window layers keep a ring and recurrent layers a fixed state in each
+    slot (``unit``: a slot's bytes), held while a request runs. Admission counts each:
+    blocks for the first, slots for the others.
+
+    Example:
+        >>> from hyla.model import HylaLM, preset
+        >>> from hyla.serve.engine import Engine, EngineConfig
+        >>> eng = Engine(HylaLM(preset("debug")), None, EngineConfig(max_model_len=64))
+        >>> g = group_bytes(eng)
+        >>> g["recurrent"]["unit"], g["window"]["reserved"], g["full attention"]["in_use"]
+        (6144, 0, 0)
+    """
+    runner, sched = engine.runner, engine.scheduler
+    slots, used = sched.pool.num_slots, sched.pool.num_used
+    out = {}
+    for group in ("window", "recurrent"):
+        one = sum(spec.fixed_bytes(runner.dtype) for spec in runner.specs if spec.group == group)
+        out[group] = {"in_use": used * one, "reserved": slots * one, "unit": one}
+    blocks, total = sched.blocks, sched.config.num_kv_blocks or 0
+    block = (engine.kv_cache_bytes or 0) // total if total else 0
+    out["full attention"] = {"in_use": block * (blocks.num_used if blocks is not None else 0),
+                             "reserved": engine.kv_cache_bytes or 0, "unit": block}
+    return {g: out[g] for g in GROUPS}
+
+
 def breakdown(engine, rss_before_model: int = 0) -> dict[str, int]:
     """Bytes by part for a serving :class:`~hyla.serve.engine.Engine`: ``resident``,
     ``weights_float``, ``weights_quantised``, ``state_slots`` (fixed state and snapshots),
@@ -97,3 +128,11 @@ def describe(parts: dict[str, int]) -> str:
     if parts["before_model"]:
         line += f"; {mb['before_model']:.0f} MB were resident before the model was loaded"
     return line
+
+
+def describe_groups(groups: dict[str, dict[str, int]]) -> str:
+    """One log line of :func:`group_bytes`, in MB (the groups the model has)."""
+    unit = {"full attention": "a block", "window": "a slot", "recurrent": "a slot"}
+    parts = [f"{g} {v['in_use'] / MB:.1f} of {v['reserved'] / MB:.1f} MB "
+             f"({unit[g]} {v['unit'] / 1024:.1f} KB)" for g, v in groups.items() if v["unit"]]
+    return "state by group: " + ("; ".join(parts) or "none (no per-sequence state)")
