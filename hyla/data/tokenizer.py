@@ -65,6 +65,11 @@ class BPETokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` it runs (grammar engines read its vocabulary)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")

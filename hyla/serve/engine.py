@@ -23,6 +23,7 @@ from hyla.serve.runner import Runner
 from hyla.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from hyla.serve.sequence import SamplingParams, Sequence
 from hyla.serve.speculative import SPECULATIVE_METHODS, NgramSpeculator
+from hyla.serve.structured import Constraints
 
 
 @dataclass(kw_only=True)
@@ -219,6 +220,9 @@ class Engine:
                                if has_attn else 0)
         self.eos_token_id = getattr(tokenizer, "eos_id", None)
         self.end_ids = tuple(getattr(tokenizer, "stop_ids", ()))
+        # structured output: a grammar's matcher a request, masks computed as the model runs
+        self.constraints = Constraints(tokenizer, model.cfg.vocab_size, tuple(dict.fromkeys(
+            ([] if self.eos_token_id is None else [self.eos_token_id]) + list(self.end_ids))))
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self._text: dict[str, IncrementalText] = {}
@@ -272,6 +276,8 @@ class Engine:
             self._prompt_lps[rid] = [None]
         if self.tokenizer is not None and not prefill_only:
             self._text[rid] = IncrementalText(self.tokenizer, params.stop)
+        if params.grammar is not None:
+            self.constraints.add(rid, params.grammar)
         if params.seed is not None and not params.greedy:
             g = torch.Generator(device=self.runner.device)
             self._generators[rid] = g.manual_seed(params.seed)
@@ -295,6 +301,10 @@ class Engine:
         seq.num_computed_tokens = len(prompt_ids)
         seq.external_state = state
         seq.first_token_time = seq.arrival_time
+        wrong = self.constraints.consume(seq.request_id, first_token)
+        if wrong is not None:
+            self.abort(seq.request_id)
+            raise ValueError(f"grammar: the prefilled first token does not fit: {wrong}")
         reason = seq.stop_reason_for(first_token)
         if reason is not None:
             self.scheduler.finish(seq, reason)
@@ -313,6 +323,8 @@ class Engine:
         self.scheduler.check(len(prompt_ids), 1 if prefill_only else params.max_tokens)
         if params.stop and self.tokenizer is None and not prefill_only:
             raise ValueError("stop strings need a tokenizer (this engine is token-only)")
+        if params.grammar is not None:
+            self.constraints.compiler.compile(params.grammar)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its slot and blocks; False if it is unknown/finished."""
@@ -345,8 +357,15 @@ class Engine:
         if speculated is not None:
             self.stats["step_time_s"] += time.perf_counter() - t0
             return speculated
+        self.constraints.start([s.request_id for s in out.decodes]
+                               + [c.seq.request_id for c in out.prefills if c.samples])
         logits, seqs = self._execute(out)
+        self.constraints.apply(logits, [s.request_id for s in seqs])
         tokens, logps, failed = self._sample(logits, seqs)
+        for seq, token in zip(seqs, tokens, strict=True):
+            wrong = self.constraints.consume(seq.request_id, token)
+            if wrong is not None and seq.request_id not in failed:
+                failed[seq.request_id] = ValueError(wrong)
         sampled = {s.request_id: t for s, t in zip(seqs, tokens, strict=True)}
         states = self._take_states(seqs, failed)
         finished = set(id(s) for s in self.scheduler.update(out, sampled))
@@ -470,8 +489,9 @@ class Engine:
         text = self._text.get(seq.request_id)
         stop_token = finished and seq.finish_reason == "stop"   # EOS / stop id: no text
         delta = text.add(seq.output_ids, hide_last=stop_token) if text is not None else ""
-        if not finished and text is not None and text.stopped:
-            self.scheduler.finish(seq, "stop")
+        if not finished and ((text is not None and text.stopped)
+                             or self.constraints.done(seq.request_id)):
+            self.scheduler.finish(seq, "stop")      # a stop string, or the grammar's end
             finished = True
         if finished and text is not None:
             delta += text.flush()
@@ -524,6 +544,7 @@ class Engine:
         if self.speculator is not None:
             self.speculator.forget(request_id)
         self._prefill_only.pop(request_id, None)
+        self.constraints.forget(request_id)
         self._prompt_lps.pop(request_id, None)
         self._seqs.pop(request_id, None)
         self._text.pop(request_id, None)

@@ -17,6 +17,35 @@ MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 
 
+GRAMMAR_KINDS = ("json_schema", "regex", "grammar", "lark", "choice")
+MAX_GRAMMAR_CHARS = 64 * 1024      # a schema or grammar larger than this is refused
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match (structured output): ``kind`` is ``json_schema``
+    (``source`` the schema as JSON text), ``regex``, ``grammar`` (GBNF, as llama.cpp
+    writes it, or Lark), ``lark`` or ``choice`` (a JSON list of strings). Compiled by
+    :mod:`hyla.serve.structured`; hashable, so compiled grammars are cached by it.
+
+    Example:
+        >>> GrammarSpec("regex", "[0-9]+").kind
+        'regex'
+    """
+
+    kind: str
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"grammar kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
+        if not isinstance(self.source, str) or not self.source.strip():
+            raise ValueError(f"the {self.kind} must be a non-empty string")
+        if len(self.source) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"the {self.kind} is too large: {len(self.source)} characters, "
+                             f"at most {MAX_GRAMMAR_CHARS}")
+
+
 @dataclass(kw_only=True)
 class SamplingParams:
     """How to pick and when to stop, per request (OpenAI's completion parameters).
@@ -28,6 +57,8 @@ class SamplingParams:
     ``logprobs`` most likely alternatives (0 = only the chosen one). ``prompt_logprobs``:
     the same for every prompt token after the first (vLLM's field; computed in prefill,
     chunk by chunk); with it ``max_tokens`` may be 0 (score the prompt alone).
+    ``grammar``: the output must match it (a :class:`GrammarSpec`); tokens it rules out are
+    masked before sampling.
 
     Example:
         >>> SamplingParams(max_tokens=8, temperature=0).greedy
@@ -44,6 +75,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         # Every field is checked for type, finiteness and range here, so that nothing a
@@ -80,6 +112,8 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(
                 not _is_int(t) or not 0 <= t < 2 ** 63 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} ints >= 0")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
 
     @property
     def greedy(self) -> bool:
