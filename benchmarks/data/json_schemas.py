@@ -64,19 +64,25 @@ SCHEMAS: list[tuple[str, dict, object]] = [
         "ticket": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"}},
         "required": ["ticket"]}, {"ticket": "ABC-123"}),
     ("format date", {"type": "object", "properties": {
-        "born": {"type": "string", "format": "date"}}, "required": ["born"]},
+        "born": {"type": "string", "format": "date",
+                 "description": "a date of birth, YYYY-MM-DD"}}, "required": ["born"]},
         {"born": "1815-12-10"}),
     ("format email", {"type": "object", "properties": {
-        "email": {"type": "string", "format": "email"}}, "required": ["email"]},
+        "email": {"type": "string", "format": "email",
+                  "description": "an email address such as ada@example.com"}},
+        "required": ["email"]},
         {"email": "ada@example.com"}),
     ("format uuid", {"type": "object", "properties": {
-        "id": {"type": "string", "format": "uuid"}}, "required": ["id"]},
+        "id": {"type": "string", "format": "uuid", "description": "a random UUID"}},
+        "required": ["id"]},
         {"id": "123e4567-e89b-12d3-a456-426614174000"}),
     ("format ipv4", {"type": "object", "properties": {
-        "ip": {"type": "string", "format": "ipv4"}}, "required": ["ip"]},
+        "ip": {"type": "string", "format": "ipv4", "description": "an IPv4 address"}},
+        "required": ["ip"]},
         {"ip": "192.168.0.1"}),
     ("format date-time", {"type": "object", "properties": {
-        "at": {"type": "string", "format": "date-time"}}, "required": ["at"]},
+        "at": {"type": "string", "format": "date-time",
+               "description": "a timestamp in RFC 3339 form"}}, "required": ["at"]},
         {"at": "2026-12-03T10:00:00Z"}),
     ("tuple", {"type": "object", "properties": {"point": {
         "type": "array", "prefixItems": [{"type": "number"}, {"type": "number"}],

@@ -19,6 +19,7 @@ from hyla.model.model import HylaLM
 from hyla.model.sampler import TokenLogprob, sample
 from hyla.ops.hardware import fast_low_precision_matmul
 from hyla.serve.detokenizer import IncrementalText
+from hyla.serve.penalties import apply_penalties
 from hyla.serve.runner import Runner
 from hyla.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from hyla.serve.sequence import SamplingParams, Sequence
@@ -360,6 +361,9 @@ class Engine:
         self.constraints.start([s.request_id for s in out.decodes]
                                + [c.seq.request_id for c in out.prefills if c.samples])
         logits, seqs = self._execute(out)
+        if any(s.params.penalised for s in seqs):
+            apply_penalties(logits, [s.params for s in seqs], [s.prompt_ids for s in seqs],
+                            [s.output_ids for s in seqs])
         self.constraints.apply(logits, [s.request_id for s in seqs])
         tokens, logps, failed = self._sample(logits, seqs)
         for seq, token in zip(seqs, tokens, strict=True):

@@ -58,7 +58,10 @@ class SamplingParams:
     the same for every prompt token after the first (vLLM's field; computed in prefill,
     chunk by chunk); with it ``max_tokens`` may be 0 (score the prompt alone).
     ``grammar``: the output must match it (a :class:`GrammarSpec`); tokens it rules out are
-    masked before sampling.
+    masked before sampling. ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, in
+    [-2, 2]) lower the logit of each token already in the output by the first once and the
+    second per occurrence; ``repetition_penalty`` (vLLM's, > 0, 1 = off) divides positive
+    logits and multiplies negative ones of tokens in the prompt or output by it.
 
     Example:
         >>> SamplingParams(max_tokens=8, temperature=0).greedy
@@ -76,6 +79,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     grammar: GrammarSpec | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         # Every field is checked for type, finiteness and range here, so that nothing a
@@ -112,8 +118,43 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(
                 not _is_int(t) or not 0 <= t < 2 ** 63 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} ints >= 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2 <= value <= 2:     # NaN fails the range too
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
+            raise ValueError(f"repetition_penalty must be a number in (0, 100], got "
+                             f"{self.repetition_penalty!r}")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise ValueError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
+
+    def as_dict(self) -> dict:
+        """Its fields as JSON values (the grammar as a dict): what a worker is sent."""
+        d = dict(self.__dict__)
+        if self.grammar is not None:
+            d["grammar"] = {"kind": self.grammar.kind, "source": self.grammar.source}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SamplingParams:
+        """:meth:`as_dict`'s inverse; ValueError naming what is wrong."""
+        if not isinstance(d, dict):
+            raise ValueError(f"params must be an object, got {type(d).__name__}")
+        grammar = d.get("grammar")
+        if grammar is not None:
+            if not isinstance(grammar, dict) or set(grammar) != {"kind", "source"}:
+                raise ValueError('params.grammar must be {"kind": ..., "source": ...}')
+            d = {**d, "grammar": GrammarSpec(**grammar)}
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise ValueError(f"params: {e}") from None
+
+    @property
+    def penalised(self) -> bool:
+        """Whether a penalty changes its logits (they then depend on the tokens so far)."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

@@ -62,7 +62,8 @@ class NgramSpeculator:
             return None
         seq = out.decodes[0]
         p, n = seq.params, seq.num_computed_tokens
-        if (not p.greedy or p.logprobs is not None or p.grammar is not None or n == 0
+        if (not p.greedy or p.logprobs is not None or p.grammar is not None or p.penalised
+                or n == 0
                 or seq.request_id in engine._prefill_only):
             return None
         wait, backoff = self._backoff.get(seq.request_id, (0, 0))

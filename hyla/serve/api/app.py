@@ -50,15 +50,18 @@ from hyla.serve.api.limits import (
     BodyLimitMiddleware,
     PromptEncoder,
 )
+from hyla.serve.api.response_format import compile_grammar, grammar_of
 from hyla.serve.api.schemas import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from hyla.serve.api.tokens import add_tokenizer_routes
+from hyla.serve.api.tools import chat_messages, parse_tools
 from hyla.serve.async_engine import AsyncEngine, EngineFailed, QueueFull, RequestFailed
 from hyla.serve.http_guard import BodyDeadlineMiddleware, ServerLimits
-from hyla.serve.sequence import SamplingParams
+from hyla.serve.sequence import GrammarSpec, SamplingParams
 
 _TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|literal\[.*\]|[A-Z]\w*)$")
 _PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "logprobs", "stop", "seed",
-           "stop_token_ids", "top_logprobs")
+           "stop_token_ids", "top_logprobs", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "grammar")
 _ALIASES = {"prompt_logprobs": "logprobs"}     # echo's logprobs become the prompt's
 _FIRST_WORD = re.compile(r"^\W*(\w+)")
 
@@ -101,7 +104,7 @@ def param_of(message: str) -> str | None:
 
 def sampling_params(req, n_prompt: int, max_tokens: int | None, logprobs: int | None,
               max_len: int, extra_stop: tuple[str, ...] = (), prompt_param: str = "prompt",
-              echo: bool = False) -> SamplingParams:
+              echo: bool = False, grammar: GrammarSpec | None = None) -> SamplingParams:
     """Request fields -> SamplingParams; APIError (HTTP 400) naming the field on bad input.
 
     ``echo`` (completions): the prompt's logprobs are asked for when ``logprobs`` is set,
@@ -134,7 +137,9 @@ def sampling_params(req, n_prompt: int, max_tokens: int | None, logprobs: int | 
             logprobs=logprobs,
             # max_tokens 0 needs the engine to treat the request as scoring (k = 0: cheap)
             prompt_logprobs=(logprobs if logprobs is not None else 0 if max_tokens == 0
-                             else None) if echo else None)
+                             else None) if echo else None, grammar=grammar,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty)
     except ValueError as e:
         raise APIError(str(e), param=param_of(str(e))) from None
 
@@ -147,13 +152,30 @@ async def prompt_token_ids(req: CompletionRequest, enc: PromptEncoder) -> list[l
             for p in req.prompts]
 
 
+async def grammar_setup(req, tools, constraints) -> GrammarSpec | None:
+    """The grammar of a request (its structured-output fields, or its tools), compiled
+    off the event loop when the engine's ``constraints`` are at hand (the cluster router
+    has none: its decode node compiles)."""
+    asked = grammar_of(req)
+    if asked is not None and tools is not None:
+        raise APIError(f"{asked[1]} and tools together are not supported: send one",
+                       param=asked[1])
+    if tools is not None:
+        asked = (tools.grammar(), "tools")
+    if asked is None:
+        return None
+    if constraints is not None:
+        await compile_grammar(constraints, *asked)
+    return asked[0]
+
+
 def completion_setup(req: CompletionRequest, prompts: list[list[int]], tok, max_len: int,
-                     request_id: str, model_name: str
+                     request_id: str, model_name: str, grammar: GrammarSpec | None = None
                      ) -> tuple[list[SamplingParams], Formatter]:
     """One SamplingParams per prompt and the Formatter of a completion request (shared
     with the cluster router)."""
     params = [sampling_params(req, len(ids), req.max_tokens, req.logprobs, max_len,
-                              echo=req.echo) for ids in prompts]
+                              echo=req.echo, grammar=grammar) for ids in prompts]
     echo = None
     if req.echo:
         echo = [Echo(p if isinstance(p, str) else tok.decode(ids), ids)
@@ -164,34 +186,39 @@ def completion_setup(req: CompletionRequest, prompts: list[list[int]], tok, max_
 
 
 async def chat_setup(req: ChatCompletionRequest, enc: PromptEncoder, tok, max_len: int,
-                     model_name: str) -> tuple[list[int], SamplingParams, Formatter]:
+                     model_name: str, constraints=None
+                     ) -> tuple[list[int], SamplingParams, Formatter]:
     """A chat request's prompt ids, SamplingParams and Formatter (shared with the cluster
     router)."""
-    ids, stops = await chat_token_ids(req, enc)
+    tools = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    grammar = await grammar_setup(req, tools, constraints)
+    ids, stops = await chat_token_ids(req, enc, tools)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     params = sampling_params(req, len(ids), max_tokens, logprobs, max_len, stops,
-                             prompt_param="messages")
+                             prompt_param="messages", grammar=grammar)
     fmt = Formatter(tok, f"chatcmpl-{uuid.uuid4().hex}", model_name, chat=True,
-                    logprobs=logprobs, include_usage=wants_usage(req))
+                    logprobs=logprobs, include_usage=wants_usage(req),
+                    tools=tools is not None)
     return ids, params, fmt
 
 
-async def chat_token_ids(req: ChatCompletionRequest, enc: PromptEncoder
+async def chat_token_ids(req: ChatCompletionRequest, enc: PromptEncoder, tools=None
                          ) -> tuple[list[int], tuple[str, ...]]:
     """A chat request's prompt ids and the stop strings its template implies; the template
     and the tokenizer run off the event loop."""
-    messages = [{"role": m.role, "content": m.text} for m in req.messages]
-    for i, m in enumerate(messages):
+    for i, m in enumerate(req.messages):
         try:
-            m["content"].encode("utf-8")
+            m.text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise APIError(f"messages.{i}.content holds text that cannot be encoded as "
                            f"UTF-8 ({e.reason} at character {e.start})",
                            param=f"messages.{i}.content") from None
+    messages, extra = chat_messages(req.messages, tools,
+                                    getattr(enc.tok, "chat_template", None))
     try:
-        text, stops = await enc.run(render_chat, enc.tok, messages)
+        text, stops = await enc.run(lambda: render_chat(enc.tok, messages, **extra))
     except Exception as e:  # noqa: BLE001 - templates raise their own errors on bad turns
         raise APIError(f"messages could not be rendered with the chat template: {e}",
                        param="messages") from None
@@ -340,8 +367,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         check_model(req.model)
         req.check_unsupported()
         prompts = await prompt_token_ids(req, enc)
+        grammar = await grammar_setup(req, None, engine.engine.constraints)
         params, fmt = completion_setup(req, prompts, tok, max_len, f"cmpl-{uuid.uuid4().hex}",
-                                       model_name)
+                                       model_name, grammar)
         if len(prompts) > 1:
             return await run_batch(request, prompts, params, fmt)
         return await run(request, req, prompts[0], params[0], fmt)
@@ -350,7 +378,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_model(req.model)
         req.check_unsupported()
-        ids, params, fmt = await chat_setup(req, enc, tok, max_len, model_name)
+        ids, params, fmt = await chat_setup(req, enc, tok, max_len, model_name,
+                                            engine.engine.constraints)
         return await run(request, req, ids, params, fmt)
 
     add_tokenizer_routes(app, tok, max_len)

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from hyla.serve.api.tools import ToolStream, split_calls
 from hyla.serve.engine import StepOutput
 
 # The built-in chat template: each message is "<|role|>\n{content}\n", and the prompt ends
@@ -23,10 +24,11 @@ from hyla.serve.engine import StepOutput
 CHAT_STOP = ("<|user|>", "<|system|>", "<|assistant|>")
 
 
-def render_chat(tokenizer, messages: list[dict]) -> tuple[str, tuple[str, ...]]:
+def render_chat(tokenizer, messages: list[dict], **extra) -> tuple[str, tuple[str, ...]]:
     """The prompt text of ``messages`` (``[{"role", "content"}]``) and the stop strings the
     template implies. A tokenizer with its own ``chat_template`` (and
-    ``apply_chat_template``, as transformers' have) uses it instead, with no extra stops.
+    ``apply_chat_template``, as transformers' have) uses it instead, with no extra stops,
+    and the ``extra`` variables (``tools``).
 
     Example:
         >>> render_chat(None, [{"role": "user", "content": "Hi"}])[0]
@@ -34,7 +36,7 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, tuple[str, ...]]:
     """
     if getattr(tokenizer, "chat_template", None) and hasattr(tokenizer, "apply_chat_template"):
         return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=True), ()
+                                             add_generation_prompt=True, **extra), ()
     text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
     return text + "<|assistant|>\n", CHAT_STOP
 
@@ -101,12 +103,15 @@ class Formatter:
     text leads the choice's text and, with ``logprobs``, its tokens lead the logprobs (the
     first with ``null``, the others with their log-probability and a ``top_logprobs`` dict
     holding the prompt token and the most likely ones, as vLLM and OpenAI return them).
+    ``tools`` (chat): ``<tool_call>`` blocks in the output become ``message.tool_calls``
+    (``delta.tool_calls`` when streamed) and the finish reason ``tool_calls``.
     """
 
     def __init__(self, tokenizer, request_id: str, model: str, chat: bool,
                  logprobs: int | None, include_usage: bool = False, text_offset: int = 0,
-                 echo: list[Echo] | None = None):
+                 echo: list[Echo] | None = None, tools: bool = False):
         self.tok, self.id, self.model, self.chat = tokenizer, request_id, model, chat
+        self.tools = tools and chat
         self.logprobs, self.include_usage = logprobs, include_usage
         self.created = int(time.time())
         self.offset = self._offset0 = text_offset   # completions' text_offset counts from here
@@ -169,13 +174,20 @@ class Formatter:
         for i, res in enumerate(results):
             choice: dict = {"index": i}
             echo = self.echo[i] if self.echo else None
-            if self.chat:
+            finish = res.finish_reason
+            if self.tools:
+                content, calls = split_calls(res.text)
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = calls
+                    finish = "tool_calls" if finish == "stop" else finish
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": res.text}
             else:
                 choice["text"] = (echo.text if echo else "") + res.text
             self.offset = self._offset0
             choice["logprobs"] = self.format_logprobs(res.logprobs, echo, res.prompt_logprobs)
-            choice["finish_reason"] = res.finish_reason
+            choice["finish_reason"] = finish
             choices.append(choice)
         p = sum(x.num_prompt_tokens for x in results)
         c = sum(x.num_output_tokens for x in results)
@@ -207,10 +219,14 @@ class Formatter:
                                                "logprobs": lps, "finish_reason": None}],
                                               chunk=True))
         out: StepOutput | None = first
+        calls = ToolStream() if self.tools else None
         while out is not None:
             r.add(out)
             finish = out.finish_reason if out.finished else None
-            if self.chat:
+            if calls is not None:
+                for chunk in self._tool_chunks(calls, out.text, finish):
+                    yield chunk
+            elif self.chat:
                 if out.text or (out.logprobs and self.logprobs is not None):
                     yield self._chunk({"delta": {"content": out.text}}, out.logprobs, None)
                 if finish:
@@ -221,3 +237,25 @@ class Formatter:
         if self.include_usage:
             yield self._event(self._envelope([], chunk=True) | {"usage": r.usage()})
         yield "data: [DONE]\n\n"
+
+    def _tool_chunks(self, calls: ToolStream, text: str, finish: str | None):
+        """The chunks of one step's text under tools: content as it comes, each call once
+        it closes (its id, name and empty arguments, then the arguments, as OpenAI streams
+        them), the rest and the finish reason at the end."""
+        for kind, _ in calls.feed(text):
+            if kind == "content":
+                yield self._chunk({"delta": {"content": _}}, None, None)
+                continue
+            k = len(calls.calls) - 1
+            call = calls.calls[k]
+            head = {"index": k, "id": call["id"], "type": "function",
+                    "function": {"name": call["function"]["name"], "arguments": ""}}
+            yield self._chunk({"delta": {"tool_calls": [head]}}, None, None)
+            yield self._chunk({"delta": {"tool_calls": [{"index": k, "function": {
+                "arguments": call["function"]["arguments"]}}]}}, None, None)
+        if finish:
+            rest = calls.flush()
+            if rest:
+                yield self._chunk({"delta": {"content": rest}}, None, None)
+            reason = "tool_calls" if calls.calls and finish == "stop" else finish
+            yield self._chunk({"delta": {}}, None, reason)

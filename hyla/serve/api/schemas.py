@@ -2,10 +2,11 @@
 
 Types are strict, as OpenAI's are: ``"max_tokens": "5"`` is a 400, not a 5. Fields OpenAI
 defines that hyla does not implement are accepted only at their neutral value (``n`` 1,
-penalties 0, no ``logit_bias``, no ``suffix``, no ``response_format`` but ``text``, no
-``tools``/``functions``, ``tool_choice`` ``none``) and are a 400 otherwise;
-unknown fields are ignored. ``top_k``, ``ignore_eos`` and ``stop_token_ids`` are
-extensions (vLLM's names); the ``openai`` client sends them through ``extra_body``.
+no ``logit_bias``, no ``suffix``, no legacy ``functions``/``function_call``) and are a 400
+otherwise; unknown fields are ignored. ``top_k``, ``ignore_eos``, ``stop_token_ids``,
+``repetition_penalty``, ``structured_outputs`` and ``guided_*`` are extensions (vLLM's names);
+the ``openai`` client sends them through ``extra_body``. Structured output and tools:
+:mod:`hyla.serve.api.response_format`, :mod:`hyla.serve.api.tools`.
 """
 
 from __future__ import annotations
@@ -43,12 +44,9 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 # Fields hyla does not implement -> (their neutral values, what to say). A request with
 # any other value is a 400 naming the field.
 NEUTRAL = {
-    "response_format": ((None, {"type": "text"}),
-                        "structured output (json_object, json_schema) is not supported"),
-    "tools": ((None, []), "tool calling is not supported"),
-    "tool_choice": ((None, "none"), "tool calling is not supported"),
-    "functions": ((None, []), "function calling is not supported"),
-    "function_call": ((None, "none"), "function calling is not supported"),
+    "functions": ((None, []), "the legacy function calling is not supported (use tools)"),
+    "function_call": ((None, "none"), "the legacy function calling is not supported (use "
+                                      "tool_choice)"),
 }
 
 
@@ -57,12 +55,12 @@ def check_neutral(req) -> None:
     other than its neutral ones.
 
     Example:
-        >>> class R: response_format, tools, tool_choice = {"type": "json_object"}, None, None
+        >>> class R: functions, function_call = [{"name": "f"}], None
         >>> try:
         ...     check_neutral(R())
         ... except APIError as e:
         ...     print(e.status, e.param)
-        400 response_format
+        400 functions
     """
     for name, (neutral, why) in NEUTRAL.items():
         value = getattr(req, name, None)
@@ -96,15 +94,22 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    # Structured output and tool calling: not implemented, so refused unless neutral (a
-    # client asking for JSON must not get free text with a 200).
+    # structured output (hyla.serve.api.response_format): checked there, any shape here
     response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    # tools (chat only; hyla.serve.api.tools); the legacy functions are refused
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
 
@@ -113,9 +118,6 @@ class _Sampling(_Strict):
         check_neutral(self)
         if self.n != 1:
             raise APIError(f"n must be 1 (one choice per request), got {self.n}", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise APIError(f"{name} is not supported (must be 0)", param=name)
         if self.logit_bias:
             raise APIError("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -151,6 +153,9 @@ class CompletionRequest(_Sampling):
             raise APIError("suffix is not supported", param="suffix")
         if self.best_of not in (None, 1):
             raise APIError(f"best_of must be 1, got {self.best_of}", param="best_of")
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise APIError("tools are for chat completions (/v1/chat/completions)",
+                           param="tools" if self.tools else "tool_choice")
         if self.logprobs is not None and not 0 <= self.logprobs <= 5:
             raise APIError(f"logprobs must be between 0 and 5, got {self.logprobs}",
                            param="logprobs")
@@ -176,10 +181,25 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    """A call an earlier assistant turn made (sent back with the conversation)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None        # assistant turns
+    tool_call_id: str | None = None                 # tool turns: the call they answer
 
     @property
     def text(self) -> str:

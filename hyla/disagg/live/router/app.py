@@ -20,6 +20,7 @@ from hyla.disagg.live.router.core import LiveRouter, WorkerFailed
 from hyla.serve.api.app import (
     chat_setup,
     completion_setup,
+    grammar_setup,
     prompt_token_ids,
     validation_error,
 )
@@ -171,8 +172,9 @@ def create_router_app(router: LiveRouter, max_body_bytes: int = DEFAULT_MAX_BODY
         check_model(req.model)
         req.check_unsupported()
         prompts = await prompt_token_ids(req, enc)
+        grammar = await grammar_setup(req, None, None)      # the decode node compiles it
         params, fmt = completion_setup(req, prompts, tok, cfg.max_model_len,
-                                       f"cmpl-{uuid.uuid4().hex}", cfg.model_name)
+                                       f"cmpl-{uuid.uuid4().hex}", cfg.model_name, grammar)
         if len(prompts) > 1:
             return await run(request, req, prompts, params, fmt)
         return await run(request, req, prompts[0], params[0], fmt)

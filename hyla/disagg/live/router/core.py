@@ -385,7 +385,7 @@ class LiveRouter(RemotePath):
         raise WorkerFailed(f"decode worker {w.url} ended the stream early", sent)
 
     def _body(self, ids, params, rid, prefilled):
-        return {"request_id": rid, "prompt_ids": ids, "params": params.__dict__,
+        return {"request_id": rid, "prompt_ids": ids, "params": params.as_dict(),
                 "prefilled": prefilled, "transfer_timeout_s": self.cfg.transfer_timeout_s}
 
     async def _open(self, w: Worker, body: dict):

@@ -100,7 +100,7 @@ class RemotePath:
             lines = self._lines(d, resp, rid)
             prefill = asyncio.ensure_future(self.http.post(
                 f"{p.url}/internal/prefill", timeout=wait + 30,
-                json={"request_id": rid, "prompt_ids": ids, "params": params.__dict__,
+                json={"request_id": rid, "prompt_ids": ids, "params": params.as_dict(),
                       "dest": d.info["transfer_address"], "deadline_s": deadline}))
             prefill.add_done_callback(lambda t: self._verdict(ship, t, time.monotonic() - t0))
             first = asyncio.ensure_future(anext(lines))

@@ -35,10 +35,7 @@ from hyla.serve.sequence import SamplingParams
 
 def params_from_dict(d: dict) -> SamplingParams:
     """SamplingParams from its JSON form (lists back to tuples); ValueError if invalid."""
-    try:
-        return SamplingParams(**d)
-    except TypeError as e:
-        raise ValueError(f"params: {e}") from None
+    return SamplingParams.from_dict(d)
 
 
 class TransferFailed(RuntimeError):
