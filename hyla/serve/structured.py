@@ -66,8 +66,8 @@ class GrammarCompiler:
                  cache_size: int = 256):
         import llguidance
 
-        if not stop_ids:
-            raise ValueError("structured output needs a stop token (the grammar ends on it)")
+        # a tokenizer with no end-of-text token (hyla's byte one): byte 0 ends a grammar
+        stop_ids = list(stop_ids) or [0]
         self._ll = llguidance
         self.tokenizer = llguidance.LLTokenizer(tokenizers_json(tokenizer), n_vocab=vocab_size,
                                                 eos_token=list(stop_ids))
@@ -109,6 +109,15 @@ class GrammarCompiler:
             return ll.LLMatcher.grammar_from_regex(text)
         if spec.kind == "lark":
             return ll.LLMatcher.grammar_from_lark(text)
+        if spec.kind == "choice":
+            try:
+                choices = json.loads(text)
+            except json.JSONDecodeError:
+                choices = None
+            if not isinstance(choices, list) or not choices or not all(
+                    isinstance(c, str) and c for c in choices):
+                raise ValueError("the list of choices is invalid: expected a JSON list of "
+                                 "non-empty strings")
         try:
             return ll.grammar_from(spec.kind, text)        # "grammar" (GBNF or Lark), "choice"
         except ValueError as e:

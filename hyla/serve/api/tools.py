@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from hyla.serve.api.schemas import APIError
 from hyla.serve.sequence import MAX_GRAMMAR_CHARS, GrammarSpec
-from hyla.serve.structured import closed, parse_schema
+from hyla.serve.structured import JSON_OPTIONS, closed, parse_schema
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
@@ -51,7 +51,9 @@ class Tools:
         with calls wherever ``<tool_call>`` opens (``auto``)."""
         chosen = [t for t in self.tools if self.choice in ("auto", "required")
                   or t["function"]["name"] == self.choice]
-        call = {"anyOf": [_call_schema(t["function"]) for t in chosen]}
+        # JSON as models write it, as response_format's (no free whitespace to fill)
+        call = {"anyOf": [_call_schema(t["function"]) for t in chosen],
+                "x-guidance": JSON_OPTIONS}
         body = json.dumps(closed(call))
         if self.choice == "auto":
             import llguidance
