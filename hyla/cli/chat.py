@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 import time
 
@@ -46,6 +47,9 @@ def add_chat(sub) -> argparse.ArgumentParser:
     p.add_argument("--system", default=None,
                    help="a system message that opens the conversation (default: none)")
     add_sampling(p, 256, None, temperature=0.7, top_p=0.9)
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="every reply is JSON that this JSON schema (a file) accepts: "
+                        "grammar-constrained decoding (default: free text)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     add_quantize(p)
     p.set_defaults(func=cmd_chat)
@@ -72,10 +76,14 @@ class Conversation:
 
     def __init__(self, model, tok, *, system: str | None = None, max_tokens: int = 256,
                  temperature: float = 0.7, top_k: int | None = None, top_p: float = 1.0,
-                 seed: int = 0):
+                 seed: int = 0, json_schema: dict | None = None):
+        import json
+
         import torch
 
         from hyla.serve.api.format import render_chat
+        from hyla.serve.sequence import GrammarSpec
+        from hyla.serve.structured import GrammarCompiler
 
         self.model, self.tok, self.system = model, tok, system
         self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
@@ -83,6 +91,13 @@ class Conversation:
         self.generator = torch.Generator(device=model.anchor.device).manual_seed(seed)
         self._render = render_chat
         self.stop_ids = stop_ids(tok)
+        # json_schema: each reply's grammar (ValueError now if the schema is bad)
+        self.grammar = None
+        if json_schema is not None:
+            spec = GrammarSpec("json_schema", json.dumps(json_schema))
+            compiler = GrammarCompiler(tok, model.cfg.vocab_size, self.stop_ids)
+            compiler.compile(spec)
+            self.grammar = (compiler, spec)
         self.last: dict = {}
         self.reset()
 
@@ -99,6 +114,7 @@ class Conversation:
         from hyla.model.stream import StreamTiming, stream_tokens
         from hyla.serve.detokenizer import IncrementalText
         from hyla.serve.session import RunnerState
+        from hyla.serve.structured import TokenConstraint
 
         self.messages.append({"role": "user", "content": text})
         prompt, stops = self._render(self.tok, self.messages)
@@ -115,7 +131,9 @@ class Conversation:
         try:
             for token in stream_tokens(self.model, self.state, new_ids, self.max_tokens,
                                        generator=self.generator, stop_ids=self.stop_ids,
-                                       timing=timing, **self.sampling):
+                                       timing=timing, **self.sampling,
+                                       constraint=self.grammar and TokenConstraint(
+                                           *self.grammar)):
                 ids.append(token)
                 piece = detok.add(ids)
                 if piece:
@@ -177,9 +195,20 @@ def cmd_chat(args: argparse.Namespace, out: Console) -> int:
     err.print(f"[bold]{name}[/] loaded in {time.perf_counter() - start:.1f} s. "
               f"{state_note(model)}")
     err.print("[dim]/reset starts over, /exit or Ctrl-D ends, Ctrl-C stops a reply[/]")
-    chat = Conversation(model, tok, system=args.system, max_tokens=args.max_tokens,
-                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                        seed=args.seed)
+    schema = None
+    if args.json_schema is not None:
+        import json
+
+        try:
+            schema = json.loads(pathlib.Path(args.json_schema).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise ValueError(f"--json-schema {args.json_schema}: {e}") from None
+    try:
+        chat = Conversation(model, tok, system=args.system, max_tokens=args.max_tokens,
+                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            seed=args.seed, json_schema=schema)
+    except ValueError as e:
+        raise ValueError(f"--json-schema {args.json_schema}: {e}") from None
     tty = sys.stdin.isatty()
     with torch_threads(args.threads):
         while True:

@@ -67,14 +67,17 @@ def stream_tokens(model: HylaLM, state, new_ids: list[int],
                   max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
                   top_p: float = 1.0, generator: torch.Generator | None = None,
                   stop_ids: tuple[int, ...] | list[int] = (),
-                  timing: StreamTiming | None = None) -> Iterator[int]:
+                  timing: StreamTiming | None = None, constraint=None) -> Iterator[int]:
     """Prefill ``new_ids`` onto ``state`` (after whatever it holds), then yield up to
     ``max_new_tokens`` sampled tokens, stopping before the first one in ``stop_ids``.
 
     On return ``state`` holds its old tokens, ``new_ids`` and every yielded token but the
     last: the last is sampled from the state but not yet fed, so a caller that continues
     passes it first among the next ``new_ids`` (nothing is computed that is not needed).
-    A stop token is neither yielded nor fed.
+    A stop token is neither yielded nor fed. ``constraint`` (structured output, e.g.
+    :class:`hyla.serve.structured.TokenConstraint`): its ``mask(logits)`` rules tokens out
+    before each draw and its ``accept(token)`` says when its grammar is complete, which
+    ends the stream after that token.
     """
     if not new_ids:
         raise ValueError("new_ids must hold at least one token, got []")
@@ -91,9 +94,18 @@ def stream_tokens(model: HylaLM, state, new_ids: list[int],
     prefill, decode = _steps(model, state)
     stop = set(stop_ids)
     start = time.perf_counter()
+    complete = False
+
+    def pick(logits: torch.Tensor) -> int:
+        nonlocal complete
+        if constraint is not None:
+            constraint.mask(logits)
+        t = sample_token(logits, temperature, top_k or 0, top_p, generator)
+        complete = constraint is not None and constraint.accept(t)
+        return t
+
     with torch.inference_mode():
-        logits = prefill(new_ids)
-        token = sample_token(logits, temperature, top_k or 0, top_p, generator)
+        token = pick(prefill(new_ids))
     timing.prompt_s = time.perf_counter() - start
     start = time.perf_counter()
     while True:
@@ -103,11 +115,11 @@ def stream_tokens(model: HylaLM, state, new_ids: list[int],
         timing.new_tokens += 1
         yield token
         timing.decode_s = time.perf_counter() - start
-        if timing.new_tokens == max_new_tokens:
+        if timing.new_tokens == max_new_tokens or complete:
+            timing.stopped = complete
             return
         with torch.inference_mode():
-            logits = decode(token)
-            token = sample_token(logits, temperature, top_k or 0, top_p, generator)
+            token = pick(decode(token))
         timing.decode_s = time.perf_counter() - start
 
 

@@ -352,3 +352,35 @@ class Constraints:
 
     def forget(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
+
+
+class TokenConstraint:
+    """One generation's grammar for a plain sampling loop
+    (:func:`hyla.model.stream.stream_tokens`, ``hyla chat --json-schema``): :meth:`mask`
+    the logits [V] (or [1, V]) before each draw, :meth:`accept` the drawn token; ValueError
+    if the grammar is invalid or the token breaks it.
+
+    Example:
+        >>> from hyla.data.tokenizer import ByteTokenizer
+        >>> gc = GrammarCompiler(ByteTokenizer(), vocab_size=256, stop_ids=[0])
+        >>> c = TokenConstraint(gc, GrammarSpec("regex", "ok"))
+        >>> logits = torch.zeros(256); c.mask(logits); int(logits.argmax())
+        111
+        >>> c.accept(ord("o")), c.accept(ord("k"))
+        (False, True)
+    """
+
+    def __init__(self, compiler: GrammarCompiler, spec: GrammarSpec):
+        self._matcher = compiler.matcher(spec)
+        self._mask = torch.full((1, (compiler.vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+    def mask(self, logits: torch.Tensor) -> None:
+        self._matcher.unsafe_compute_mask_ptr(self._mask.data_ptr(), self._mask.numel() * 4)
+        row = logits.view(1, -1)
+        apply_bitmask(row, self._mask)
+
+    def accept(self, token: int) -> bool:
+        """Feed ``token``; True when the grammar is complete (nothing more may follow)."""
+        if not self._matcher.consume_token(token):
+            raise ValueError(f"the grammar rejected token {token}: {self._matcher.get_error()}")
+        return self._matcher.is_stopped()

@@ -245,3 +245,22 @@ def test_api_tool_calls_whole_and_streamed(client):
     args = "".join(d["function"]["arguments"] for d in streamed)
     assert json.loads(args) == json.loads(call["function"]["arguments"])
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_chat_json_schema_python_api_and_cli(tmp_path, capsys):
+    from hyla.cli.chat import Conversation
+    from hyla.cli.main import main
+
+    schema = {"type": "object", "properties": {"v": {"enum": ["a", "b"]},
+                                               "n": {"type": "integer", "maximum": 9,
+                                                     "minimum": 0}}, "required": ["v", "n"]}
+    torch.manual_seed(1)
+    chat = Conversation(HylaLM(preset("debug")).eval(), ByteTokenizer(), max_tokens=60,
+                        temperature=1.0, json_schema=schema)
+    for turn in ("hi", "again"):
+        reply = "".join(chat.reply(turn)).rstrip("\0")
+        assert set(json.loads(reply)) == {"v", "n"}
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}')
+    assert main(["chat", "--preset", "debug", "--json-schema", str(bad)]) == 2
+    assert "recursive without a base case" in capsys.readouterr().err
