@@ -214,6 +214,8 @@ class Engine:
                              num_snapshots=snaps if has_gla else 0, compile=c.compile,
                              cuda_graphs=c.cuda_graphs, kv_dtype=kv_dtype,
                              eager_until_built=c.compile and c.eager_until_compiled)
+        if self.scheduler.prefix_cache is not None:
+            self.scheduler.prefix_cache.snapshot_intact = self.runner.snapshot_intact
         # what the prefix cache's state snapshots hold (``hyla serve`` logs it)
         self.snapshot_bytes = one * snaps if has_gla else 0
         # what the paged KV blocks hold (``hyla serve`` logs it)

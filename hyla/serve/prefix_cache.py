@@ -17,6 +17,7 @@ runner snapshots all of them alike. Pure Python.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hyla.serve.block_manager import BlockManager
@@ -93,6 +94,10 @@ class PrefixCache:
         self._free_snapshots = list(range(num_snapshots - 1, -1, -1))
         self.query_tokens = 0
         self.hit_tokens = 0
+        # the runner's check that a snapshot is as saved (its checksum); one that fails is
+        # dropped, and the prompt matches a shorter prefix (recomputed, never served)
+        self.snapshot_intact: Callable[[int], bool] | None = None
+        self.corrupt_snapshots = 0
         if block_manager is not None:
             block_manager.on_evict = self._forget_block
 
@@ -104,7 +109,7 @@ class PrefixCache:
         """The longest usable cached prefix of a prompt (at most all but its last token,
         whose logits the engine needs). Counted in ``hit_rate`` once :meth:`record`ed."""
         hashes = block_hashes(token_ids[:-1], self.block_size)
-        best = PrefixMatch()
+        best, found = PrefixMatch(), []
         for i, h in enumerate(hashes):
             if self.block_manager is not None:
                 block = self.kv.get(h)
@@ -117,9 +122,17 @@ class PrefixCache:
                 snap = self.snapshots.get(h)
                 if snap is None:
                     continue        # attention could go further; GLA needs an exact boundary
-                best = PrefixMatch((i + 1) * self.block_size, best_blocks, snap)
+                found.append((h, PrefixMatch((i + 1) * self.block_size, best_blocks, snap)))
             else:
                 best = PrefixMatch((i + 1) * self.block_size, best_blocks)
+        while found:                # the longest snapshot still as it was saved
+            h, candidate = found.pop()
+            if self.snapshot_intact is None or self.snapshot_intact(candidate.snapshot):
+                best = candidate
+                break
+            del self.snapshots[h]
+            self._free_snapshots.append(candidate.snapshot)
+            self.corrupt_snapshots += 1
         if best.snapshot is not None:
             self.snapshots.move_to_end(hashes[best.num_tokens // self.block_size - 1])
         return best

@@ -112,6 +112,10 @@ class Runner:
                                            e.resolve(self.kv_dtype), self.device)
             self.buffers.append(layer)
             self.snapshots.append(snaps)
+        # each snapshot's checksum when it was saved: one that no longer matches (memory
+        # corrupted since) is dropped by the prefix cache, never restored
+        self.snapshot_sums: list[int | None] = [None] * num_snapshots
+        self._sum_weights: dict = {}
         self.compiled = compile
         self._compiled_fn = None
         self._decode_fn = self._compiled_decode if compile else self._decode_impl
@@ -198,6 +202,27 @@ class Runner:
                     snap[b].copy_(buf[a])
                 else:
                     buf[b].copy_(snap[a])
+            if save:
+                self.snapshot_sums[b] = self._snapshot_sum(b)
+
+    def snapshot_intact(self, slot: int) -> bool:
+        """Whether snapshot ``slot`` still holds what was saved (its checksum matches)."""
+        return self.snapshot_sums[slot] is not None and \
+            self._snapshot_sum(slot) == self.snapshot_sums[slot]
+
+    def _snapshot_sum(self, slot: int) -> int:
+        """The sum of a snapshot's bytes as 32-bit words, weighted by their place modulo a
+        prime (any one flipped bit, and any swap of words, changes it): one pass at memory
+        speed, where a CRC would cost a few ms a snapshot on a CPU."""
+        total = 0
+        for _, snap in self._fixed():
+            words = snap[slot].reshape(-1).view(torch.uint8)
+            words = words[:words.numel() // 4 * 4].view(torch.int32)
+            key = (words.numel(), words.device)
+            if key not in self._sum_weights:
+                self._sum_weights[key] = torch.arange(1, key[0] + 1, device=key[1]) % 65_521
+            total += int(words.long().mul_(self._sum_weights[key]).sum())
+        return total
 
     def save_scratch(self, slot: int) -> list[torch.Tensor]:
         """Copies of a slot's fixed-size states (speculative decoding keeps them while it

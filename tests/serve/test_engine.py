@@ -9,6 +9,7 @@ from hyla.data.tokenizer import ByteTokenizer
 from hyla.model import HylaLM, preset
 from hyla.model.generate import generate
 from hyla.serve.engine import Engine, EngineConfig
+from hyla.serve.prefix_cache import block_hashes
 from hyla.serve.sequence import SamplingParams
 
 
@@ -61,6 +62,25 @@ def test_prefix_cache_hit_gives_same_tokens(layers):
     assert [s.output_ids for s in seqs] == [generate(model, shared + t, 12, temperature=0)
                                             for t in tails[1:]]
     assert eng.scheduler.prefix_cache.hit_rate > 0
+
+
+def test_a_corrupted_snapshot_is_dropped_and_recomputed():
+    """A snapshot whose bytes changed since it was saved (one flipped bit) is never
+    restored: the prompt matches the boundary before it, and the answer is a fresh one's."""
+    model = _model("GGGA")
+    shared = _prompts(1, seed=3, lo=70, hi=71)[0]
+    tails = _prompts(2, seed=4, lo=3, hi=9)
+    eng = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=128, snapshot_interval=32))
+    eng.generate([shared + tails[0]], GREEDY)
+    pc, runner = eng.scheduler.prefix_cache, eng.runner
+    at64 = pc.snapshots[block_hashes(shared, 16)[3]]
+    assert runner.snapshot_intact(at64)
+    state = runner.snapshots[0]["state"][at64]                  # the first GLA layer's
+    state.view(torch.int32).view(-1)[5] ^= 1 << 3               # one bit
+    assert not runner.snapshot_intact(at64)
+    (seq,) = eng.generate([shared + tails[1]], GREEDY)
+    assert seq.num_cached_tokens == 32 and pc.corrupt_snapshots == 1
+    assert seq.output_ids == generate(model, shared + tails[1], 12, temperature=0)
 
 
 def test_sampling_seed_and_stops():
