@@ -193,7 +193,7 @@ def cmd_role(args: argparse.Namespace, out: Console) -> int:
         from hyla.disagg.live.worker.prefill import PrefillService, create_prefill_app
 
         # It ships states only to the decode workers the router registers (none until then).
-        svc = PrefillService(model, max_model_len=args.max_model_len,
+        svc = PrefillService(model, tokenizer=tok, max_model_len=args.max_model_len,
                              chunk_tokens=args.max_num_batched_tokens,
                              link_gbps=args.link_gbps,
                              key=worker_transfer_key(key, args.host), allowed=set())

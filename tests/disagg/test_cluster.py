@@ -8,6 +8,7 @@ The tests share one cluster and run in order (the last two kill workers)."""
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -130,6 +131,23 @@ def test_openai_client_through_the_router(cluster):
         client.completions.create(model=MODEL, prompt=LONG, max_tokens=5000)
     counts = _view(cluster)["counts"]
     assert counts["remote_ok"] >= 3 and counts["local"] >= 1 and counts["failed"] == 0
+
+
+def test_structured_output_through_the_router(cluster):
+    """A grammar rides with the request: the prefill worker masks the first token, the
+    decode worker owns the matcher for the rest; a bad grammar is a 400 naming it."""
+    client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="none", max_retries=0)
+    before = _view(cluster)["counts"]["remote_ok"]
+    for prompt in (LONG, SHORT):            # shipped to a decode worker, and local
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40,
+                                      temperature=1.0, seed=3,
+                                      extra_body={"guided_regex": "(ab|cd){2,4}!"})
+        assert re.fullmatch("(ab|cd){2,4}!", r.choices[0].text), r.choices[0].text
+        assert r.choices[0].finish_reason == "stop"
+    assert _view(cluster)["counts"]["remote_ok"] > before, _view(cluster)["counts"]
+    with pytest.raises(openai.BadRequestError, match="regular expression"):
+        client.completions.create(model=MODEL, prompt=LONG, max_tokens=5,
+                                  extra_body={"guided_regex": "(ab"})
 
 
 def test_prompt_logprobs_and_batches_through_the_router(cluster):

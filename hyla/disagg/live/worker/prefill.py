@@ -72,14 +72,16 @@ class PrefillService:
 
     def __init__(self, model, *, max_model_len: int, block_size: int = 16,
                  chunk_tokens: int = 2048, link_gbps: float | None = None,
-                 key: bytes | None = None, allowed: set[str] | None = None):
+                 key: bytes | None = None, allowed: set[str] | None = None,
+                 tokenizer=None):
         """``key``: the transfer channel's HMAC key; ``allowed``: the decode workers'
         transfer addresses it may send to (None: any; the router sets them,
-        :meth:`register`)."""
+        :meth:`register`). ``tokenizer``: what a request's grammar needs to mask the
+        first token (the decode worker's matcher takes the rest)."""
         self.model = model.eval()
         # one sequence at a time (a serial prefill instance); no prefix cache: the router
         # counts none on the remote pool
-        self.engine = Engine(model, None, EngineConfig(
+        self.engine = Engine(model, tokenizer, EngineConfig(
             max_num_seqs=1, max_num_batched_tokens=chunk_tokens, max_model_len=max_model_len,
             block_size=block_size, enable_prefix_caching=False))
         self.kinds = SequenceState.empty(model.cfg).kinds
