@@ -325,6 +325,10 @@ def memory_table(report: dict) -> Table:
     for r in kinds:
         table.add_row(f"{r['state_label']} ({short(r['dtype'])})", format_bytes(r["bytes"]),
                       format_bytes(r["baseline_bytes"]) if r["baseline_layers"] else "-")
+    groups = {g: b for g, b in report.get("state_groups", {}).items() if b}
+    if len(groups) > 1:         # the engine's pools: paged blocks, window rings, states
+        table.add_row("by memory group", ", ".join(f"{g} {format_bytes(b)}"
+                                                   for g, b in groups.items()), "-")
     table.add_row("[bold]per sequence[/]", f"[bold]{format_bytes(report['state_bytes'])}[/]",
                   f"[bold]{format_bytes(report['kv_bytes'])}[/]")
     table.add_row("bytes", f"{report['state_bytes']:,}", f"{report['kv_bytes']:,}")

@@ -63,8 +63,10 @@ def state_bytes(cfg: HylaConfig, context: int | str,
                 kv_dtype: torch.dtype = torch.bfloat16) -> dict:
     """Per-sequence state of the hybrid ``cfg`` after ``context`` tokens, in bytes.
 
-    Returns ``{"total", "fixed", "growing", "per_layer": [...]}`` plus one key per
-    registered layer kind (``"gla"``, ``"attention"``, ...; 0 for kinds ``cfg`` lacks).
+    Returns ``{"total", "fixed", "growing", "per_layer": [...], "groups"}`` plus one key
+    per registered layer kind (``"gla"``, ``"attention"``, ...; 0 for kinds ``cfg`` lacks);
+    ``groups``: bytes by memory group (full attention, window, recurrent:
+    :attr:`~hyla.model.mixers.StateSpec.group`), which the serving engine pools apart.
     ``fixed`` is what a sequence keeps whatever its length, ``growing`` what its
     ``context`` tokens add. ``kv_dtype`` is the model dtype (that of attention caches).
 
@@ -82,8 +84,10 @@ def state_bytes(cfg: HylaConfig, context: int | str,
            "growing": n * sum(spec.per_token_bytes(kv_dtype) for spec in specs),
            "per_layer": per_layer}
     out.update({m.kind: 0 for m in MIXERS.values()})
+    out["groups"] = {"full attention": 0, "window": 0, "recurrent": 0}
     for spec, b in zip(specs, per_layer, strict=True):
         out[spec.kind] += b
+        out["groups"][spec.group] += b
     return out
 
 
@@ -235,6 +239,7 @@ def memory_report(cfg: HylaConfig | str, context: int | str, budget_gib: float |
         "bounded_state_bytes": sizing.bounded_state_bytes(cfg, n, kv_dtype),
         "windowed_layers": sum(w is not None for w in sizing.layer_windows(cfg)),
         "state_breakdown": {m.kind: state[m.kind] for m in MIXERS.values()},
+        "state_groups": state["groups"],
         "kinds": _kind_rows(cfg, n, kv_dtype),
         "layers": {m.kind: cfg.layers.count(k) for k, m in MIXERS.items()},
         "kv_bytes": kv,

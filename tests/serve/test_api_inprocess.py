@@ -62,7 +62,8 @@ def test_stop_string_cuts_the_text(client):
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "logprobs": 9}, "logprobs"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": [[1, 2], [3]], "stream": True}, "stream"),
 ])
 def test_unsupported_fields_are_400(client, body, param):

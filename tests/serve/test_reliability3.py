@@ -102,21 +102,22 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
-@pytest.mark.parametrize("extra,param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-     "response_format"),
-    ({"tools": [TOOL], "tool_choice": "required"}, "tools"),
-    ({"tools": [TOOL]}, "tools"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ({"functions": [TOOL["function"]]}, "functions"),
-    ({"function_call": "auto"}, "function_call"),
-], ids=["json_object", "json_schema", "tools-required", "tools", "tool_choice", "functions",
-        "function_call"])
-def test_unimplemented_features_are_400_naming_the_field(client, extra, param):
-    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions",
-                                                        {"prompt": "x", "max_tokens": 2})):
-        r = client.post(path, json=body | extra)
+@pytest.mark.parametrize("extra,param,paths", [
+    ({"tools": [TOOL], "tool_choice": "required"}, "tools", ("/v1/completions",)),
+    ({"tools": [TOOL]}, "tools", ("/v1/completions",)),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
+     ("/v1/chat/completions", "/v1/completions")),
+    ({"functions": [TOOL["function"]]}, "functions",
+     ("/v1/chat/completions", "/v1/completions")),
+    ({"function_call": "auto"}, "function_call", ("/v1/chat/completions", "/v1/completions")),
+], ids=["tools-required", "tools", "tool_choice", "functions", "function_call"])
+def test_unimplemented_features_are_400_naming_the_field(client, extra, param, paths):
+    """What hyla does not serve: tools on completions (chat has them), a tool_choice with
+    no tools, the legacy functions."""
+    bodies = {"/v1/chat/completions": CHAT, "/v1/completions": {"prompt": "x",
+                                                                 "max_tokens": 2}}
+    for path in paths:
+        r = client.post(path, json=bodies[path] | extra)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param
 
