@@ -27,7 +27,9 @@ from hyla.cli.common import (
     PRESETS_HELP,
     SOURCE_HELP,
     add_sampling,
+    add_speculative,
     check_sampling,
+    drafter,
     format_bytes,
     random_model,
     stop_ids,
@@ -47,6 +49,7 @@ def add_chat(sub) -> argparse.ArgumentParser:
     p.add_argument("--system", default=None,
                    help="a system message that opens the conversation (default: none)")
     add_sampling(p, 256, None, temperature=0.7, top_p=0.9)
+    add_speculative(p, "with --temperature 0, without --json-schema")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="every reply is JSON that this JSON schema (a file) accepts: "
                         "grammar-constrained decoding (default: free text)")
@@ -76,7 +79,7 @@ class Conversation:
 
     def __init__(self, model, tok, *, system: str | None = None, max_tokens: int = 256,
                  temperature: float = 0.7, top_k: int | None = None, top_p: float = 1.0,
-                 seed: int = 0, json_schema: dict | None = None):
+                 seed: int = 0, json_schema: dict | None = None, drafter=None):
         import json
 
         import torch
@@ -91,6 +94,7 @@ class Conversation:
         self.generator = torch.Generator(device=model.anchor.device).manual_seed(seed)
         self._render = render_chat
         self.stop_ids = stop_ids(tok)
+        self.drafter = drafter          # speculative decoding (greedy replies)
         # json_schema: each reply's grammar (ValueError now if the schema is bad)
         self.grammar = None
         if json_schema is not None:
@@ -133,7 +137,7 @@ class Conversation:
                                        generator=self.generator, stop_ids=self.stop_ids,
                                        timing=timing, **self.sampling,
                                        constraint=self.grammar and TokenConstraint(
-                                           *self.grammar)):
+                                           *self.grammar), drafter=self.drafter):
                 ids.append(token)
                 piece = detok.add(ids)
                 if piece:
@@ -206,7 +210,7 @@ def cmd_chat(args: argparse.Namespace, out: Console) -> int:
     try:
         chat = Conversation(model, tok, system=args.system, max_tokens=args.max_tokens,
                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            seed=args.seed, json_schema=schema)
+                            seed=args.seed, json_schema=schema, drafter=drafter(args))
     except ValueError as e:
         raise ValueError(f"--json-schema {args.json_schema}: {e}") from None
     tty = sys.stdin.isatty()

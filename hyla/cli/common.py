@@ -151,6 +151,26 @@ def check_sampling(args: argparse.Namespace) -> None:
 
 
 
+def add_speculative(p: argparse.ArgumentParser, applies: str) -> None:
+    """``--speculative`` and ``--num-speculative-tokens`` (``serve``, ``generate``, ``chat``);
+    ``applies``: when speculation runs."""
+    p.add_argument("--speculative", choices=("ngram",), default=None,
+                   help=f"speculative decoding ({applies}): ngram drafts tokens by looking "
+                        f"the last few up earlier in the text, verified in one forward (the "
+                        f"output stays the model's own)")
+    p.add_argument("--num-speculative-tokens", type=positive, default=4, metavar="N",
+                   help="drafts a step with --speculative (default: %(default)s)")
+
+
+def drafter(args: argparse.Namespace):
+    """The drafter ``--speculative`` asks for (None without it)."""
+    if getattr(args, "speculative", None) is None:
+        return None
+    from hyla.serve.speculative import NgramDrafter
+
+    return NgramDrafter(args.num_speculative_tokens)
+
+
 def generate_text(model, tok, prompt: str, args: argparse.Namespace, timing=None) -> str:
     """The completion of ``prompt`` under the sampling flags of :func:`add_sampling`;
     ``timing`` (a :class:`hyla.model.stream.StreamTiming`) receives the speeds."""
@@ -167,7 +187,7 @@ def generate_text(model, tok, prompt: str, args: argparse.Namespace, timing=None
     new = list(stream_tokens(model, RunnerState(model), tok.encode(prompt), args.max_tokens,
                              temperature=args.temperature, top_k=args.top_k,
                              top_p=getattr(args, "top_p", 1.0), generator=gen,
-                             stop_ids=stop_ids(tok), timing=timing))
+                             stop_ids=stop_ids(tok), timing=timing, drafter=drafter(args)))
     return tok.decode(new)
 
 

@@ -28,6 +28,7 @@ from hyla.cli.common import (
     SOURCE_HELP,
     add_allow_nonfinite,
     add_sampling,
+    add_speculative,
     format_bytes,
     generate_text,
     load_model,
@@ -55,6 +56,7 @@ def add_generate(sub) -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="the text to continue (no chat template: "
                    "hyla chat applies the model's)")
     add_sampling(p, 64, None)
+    add_speculative(p, "with --temperature 0")
     p.add_argument("--quiet", action="store_true",
                    help="no speed line on stderr (load time, prompt and decode tok/s)")
     add_allow_nonfinite(p)
@@ -118,12 +120,7 @@ def add_serve(sub) -> argparse.ArgumentParser:
                    help="bytes for those snapshots (2G, 512MB, or a fraction of RAM), least "
                         "recently used evicted first (default: 8 per --max-num-seqs within 256 "
                         "MiB, at least one per sequence)")
-    p.add_argument("--speculative", choices=("ngram",), default=None,
-                   help="speculative decoding for a greedy request decoding alone: ngram "
-                        "drafts tokens by looking the last few up earlier in the sequence, "
-                        "verified in one forward (the output stays the model's own)")
-    p.add_argument("--num-speculative-tokens", type=positive, default=4, metavar="N",
-                   help="drafts a step with --speculative (default: %(default)s)")
+    add_speculative(p, "for a greedy request decoding alone")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--compile", action="store_true",
                       help="torch.compile the decode step, one graph a batch width, built in "

@@ -67,7 +67,8 @@ def stream_tokens(model: HylaLM, state, new_ids: list[int],
                   max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
                   top_p: float = 1.0, generator: torch.Generator | None = None,
                   stop_ids: tuple[int, ...] | list[int] = (),
-                  timing: StreamTiming | None = None, constraint=None) -> Iterator[int]:
+                  timing: StreamTiming | None = None, constraint=None,
+                  drafter=None) -> Iterator[int]:
     """Prefill ``new_ids`` onto ``state`` (after whatever it holds), then yield up to
     ``max_new_tokens`` sampled tokens, stopping before the first one in ``stop_ids``.
 
@@ -77,7 +78,11 @@ def stream_tokens(model: HylaLM, state, new_ids: list[int],
     A stop token is neither yielded nor fed. ``constraint`` (structured output, e.g.
     :class:`hyla.serve.structured.TokenConstraint`): its ``mask(logits)`` rules tokens out
     before each draw and its ``accept(token)`` says when its grammar is complete, which
-    ends the stream after that token.
+    ends the stream after that token. ``drafter`` (speculative decoding of a greedy
+    stream over a state with ``speculate(token, drafts)``, e.g.
+    :class:`hyla.serve.speculative.NgramDrafter` over a RunnerState): its ``draft(tokens,
+    room)`` guesses what follows, the state verifies the guesses in one forward, and the
+    tokens come out as plain greedy steps would give them.
     """
     if not new_ids:
         raise ValueError("new_ids must hold at least one token, got []")
@@ -108,16 +113,33 @@ def stream_tokens(model: HylaLM, state, new_ids: list[int],
         token = pick(prefill(new_ids))
     timing.prompt_s = time.perf_counter() - start
     start = time.perf_counter()
+    speculating = drafter is not None and constraint is None and temperature < 1e-5 \
+        and hasattr(state, "speculate")
+    seen = list(new_ids)
+    ahead: list[int] = []           # verified drafts, yielded before the next step
     while True:
         if token in stop:
             timing.stopped = True
             return
         timing.new_tokens += 1
         yield token
+        seen.append(token)
         timing.decode_s = time.perf_counter() - start
         if timing.new_tokens == max_new_tokens or complete:
             timing.stopped = complete
             return
+        if ahead:
+            token = ahead.pop(0)
+            continue
+        drafts = drafter.draft(seen, max_new_tokens - timing.new_tokens - 1) \
+            if speculating else []
+        drafts = drafts[:next((i for i, t in enumerate(drafts) if t in stop), len(drafts))]
+        if drafts:                  # fed: the drafts kept; not fed: the model's next token
+            with torch.inference_mode():
+                ahead = state.speculate(token, drafts)
+            drafter.feedback(len(ahead) - 1, len(drafts))
+            token = ahead.pop(0)
+            continue
         with torch.inference_mode():
             token = pick(decode(token))
         timing.decode_s = time.perf_counter() - start

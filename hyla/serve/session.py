@@ -87,3 +87,23 @@ class RunnerState:
         logits = self.runner.decode([0], [int(token)], [pos], [self._table(pos + 1)], width=1)
         self.num_tokens += 1
         return logits[0]
+
+    @torch.no_grad()
+    def speculate(self, token: int, drafts: list[int]) -> list[int]:
+        """Feed ``token`` (sampled last, not yet fed) and verify greedy ``drafts`` after it
+        in one forward: the drafts the model agrees with and then its own next token, which
+        is not fed. A fixed-size state that took rejected drafts is restored and the kept
+        tokens recomputed, so the state is the one plain greedy steps would hold."""
+        n, tokens = self.num_tokens, [int(token)] + [int(t) for t in drafts]
+        self._reserve(n + len(tokens))
+        saved = self.runner.save_scratch(0)
+        logits = self.runner.verify(0, tokens, n, self._table(n + len(tokens)))
+        best = logits.max(-1).indices.tolist()
+        j = 0
+        while j < len(drafts) and drafts[j] == best[j]:
+            j += 1
+        if j < len(drafts) and saved:
+            self.runner.restore_scratch(0, saved)
+            self.runner.verify(0, tokens[:j + 1], n, self._table(n + j + 1))
+        self.num_tokens = n + j + 1
+        return tokens[1:j + 1] + [best[j]]

@@ -39,6 +39,42 @@ def ngram_drafts(tokens: list[int], k: int, *, max_n: int = 3, min_n: int = 1,
     return []
 
 
+class NgramDrafter:
+    """Drafts for one greedy stream (``hyla generate`` and ``hyla chat``,
+    :func:`hyla.model.stream.stream_tokens`): :func:`ngram_drafts` of two tokens or more, up
+    to ``k``, and the engine's back-off after a step whose drafts all failed.
+
+    Example:
+        >>> d = NgramDrafter(3)
+        >>> d.draft([1, 2, 3, 4, 1, 2], room=8)
+        [3, 4, 1]
+        >>> d.feedback(0); d.draft([1, 2, 3, 4, 1, 2], room=8)     # waits a step
+        []
+    """
+
+    def __init__(self, k: int):
+        if k < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
+        self.k, self._wait, self._backoff = k, 0, 0
+        self.drafted = self.accepted = 0
+
+    def draft(self, tokens: list[int], room: int) -> list[int]:
+        if self._wait > 0:
+            self._wait -= 1
+            return []
+        return ngram_drafts(tokens, min(self.k, room), min_n=2) if room > 0 else []
+
+    def feedback(self, accepted: int, drafted: int | None = None) -> None:
+        """How many of the last drafts the model kept (a miss backs off 1, 2, 4 ... 64)."""
+        self.accepted += accepted
+        self.drafted += drafted or 0
+        if accepted:
+            self._backoff = 0
+        else:
+            self._backoff = min(2 * self._backoff or 1, 64)
+            self._wait = self._backoff
+
+
 class NgramSpeculator:
     """The engine's speculative steps with :func:`ngram_drafts`, up to ``k`` a step, and
     each request's back-off after drafts that all failed."""

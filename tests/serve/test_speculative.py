@@ -192,3 +192,66 @@ def test_metrics_count_cache_hits_and_drafts(monkeypatch):
     assert values["hyla_prefix_cache_query_tokens_total"] == pc.query_tokens
     assert values["hyla_spec_draft_tokens_total"] == eng.stats["draft_tokens"] > 0
     assert values["hyla_spec_accepted_tokens_total"] == eng.stats["accepted_tokens"] > 0
+
+
+class _Oracle:
+    """Drafts from the model's own greedy continuation, every third step spoiled at one
+    place, so all-kept, some-kept and none-kept verifications all run."""
+
+    def __init__(self, want: list[int], prompt_len: int, k: int):
+        self.want, self.n0, self.k, self.calls = want, prompt_len, k, 0
+        self.drafted = self.accepted = 0
+
+    def draft(self, tokens, room):
+        done = len(tokens) - self.n0
+        out = self.want[done:done + min(self.k, room)]
+        self.calls += 1
+        if self.calls % 3 == 0 and out:
+            out = out[:len(out) // 2] + [(out[len(out) // 2] + 1) % 256] + \
+                out[len(out) // 2 + 1:]
+        return out
+
+    def feedback(self, accepted, drafted=None):
+        self.accepted += accepted
+        self.drafted += drafted or 0
+
+
+@pytest.mark.parametrize("layers", ["GGGA", "AA", "GDGA"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_streamed_generation_with_drafts_is_plain_greedy(layers, k):
+    """``hyla generate``'s and ``hyla chat``'s loop (stream_tokens over a RunnerState): with
+    drafts, verified and rolled back, the tokens are the plain greedy ones, stop ids and
+    max_tokens included."""
+    from hyla.model.stream import StreamTiming, stream_tokens
+    from hyla.serve.session import RunnerState
+    from hyla.serve.speculative import NgramDrafter
+
+    model = _model(layers)
+    prompt = _repetitive()
+    want = list(stream_tokens(model, RunnerState(model), prompt, 30, temperature=0))
+    oracle = _Oracle(want, len(prompt), k)
+    got = list(stream_tokens(model, RunnerState(model), prompt, 30, temperature=0,
+                             drafter=oracle))
+    assert got == want and oracle.accepted > 0 and oracle.accepted < oracle.drafted
+    stop = want[12]
+    cut = want[:want.index(stop)]
+    timing = StreamTiming()
+    got = list(stream_tokens(model, RunnerState(model), prompt, 30, temperature=0,
+                             stop_ids=[stop], timing=timing, drafter=_Oracle(want, len(prompt), k)))
+    assert got == cut and timing.stopped
+    state = RunnerState(model)
+    got = list(stream_tokens(model, state, prompt, 7, temperature=0, drafter=NgramDrafter(k)))
+    assert got == want[:7] and state.num_tokens == len(prompt) + 6     # the last: not fed
+
+
+def test_chat_with_speculation_keeps_its_state_between_turns():
+    from hyla.cli.chat import Conversation
+    from hyla.serve.speculative import NgramDrafter
+
+    model = _model("GGGA")
+    replies = []
+    for d in (None, NgramDrafter(4)):
+        chat = Conversation(model, ByteTokenizer(), max_tokens=24, temperature=0, drafter=d)
+        replies.append(["".join(chat.reply(t)) for t in ("abcabcabc", "abcabc again")])
+        assert not chat.last["reread"]
+    assert replies[0] == replies[1]
