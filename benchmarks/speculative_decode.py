@@ -8,6 +8,8 @@ in alternating rounds, decode tok/s after the first token (medians), the share o
 accepted, and whether the tokens are the plain run's (with quantised weights the verify
 pass's products round differently from one-row decode, so an exact tie of the top two
 logits may go the other way; ``--quantize none`` shows the float model's tokens equal).
+The same for ``hyla generate``'s and ``hyla chat``'s loop (``stream_tokens`` over a
+``RunnerState``, ``--speculative ngram``): the ``generate_*`` columns.
 ``--quick``: 48 tokens, 1 round.
 """
 
@@ -18,6 +20,9 @@ import statistics
 import torch
 
 from benchmarks.serve_common import decode_rate, engine, greedy, served_smollm2
+from hyla.model.stream import StreamTiming, stream_tokens
+from hyla.serve.session import RunnerState
+from hyla.serve.speculative import NgramDrafter
 
 CODE = '''def moving_average(values, window):
     """The mean of each run of `window` consecutive values."""
@@ -45,6 +50,14 @@ def add_args(p) -> None:
     p.add_argument("--k", type=int, default=4, help="drafts a step (%(default)s)")
 
 
+def stream_rate(model, prompt: list[int], tokens: int, k: int | None):
+    """Decode tok/s of ``hyla generate``'s loop, and its tokens (``k``: with n-gram drafts)."""
+    timing = StreamTiming()
+    out = list(stream_tokens(model, RunnerState(model), prompt, tokens, temperature=0,
+                             timing=timing, drafter=NgramDrafter(k) if k else None))
+    return timing.decode_tok_s, out
+
+
 def main(run) -> None:
     a = run.args
     torch.set_num_threads(a.threads or 1)
@@ -63,6 +76,9 @@ def main(run) -> None:
         before = dict(engines["ngram"].stats)
         rates = run.rounds({name: lambda e=eng, p=prompt: decode_rate(e, p, tokens)
                             for name, eng in engines.items()}, 1 if a.quick else None)
+        streamed = run.rounds({name: lambda p=prompt, k=k: stream_rate(model, p, tokens, k)
+                               for name, k in (("plain", None), ("ngram", a.k))},
+                              1 if a.quick else None)
         st = engines["ngram"].stats
         drafts = st["draft_tokens"] - before["draft_tokens"]
         accepted = st["accepted_tokens"] - before["accepted_tokens"]
@@ -71,11 +87,18 @@ def main(run) -> None:
         rows.append({"task": task, "plain_tok_s": plain, "ngram_tok_s": spec,
                      "speedup": spec / plain, "accepted": accepted / drafts if drafts else 0,
                      "same_tokens": outs["plain"] == outs["ngram"],
-                     "tokens": len(outs["plain"])})
+                     "tokens": len(outs["plain"]),
+                     "generate_plain_tok_s": statistics.median(r[0] for r in streamed["plain"]),
+                     "generate_ngram_tok_s": statistics.median(r[0] for r in streamed["ngram"]),
+                     "generate_same_tokens": streamed["plain"][0][1] == streamed["ngram"][0][1]})
+        rows[-1]["generate_speedup"] = (rows[-1]["generate_ngram_tok_s"]
+                                        / rows[-1]["generate_plain_tok_s"])
         run.progress(f"{task}: {tok.decode(outs['ngram'])[:120]!r}")
     run.table(f"one greedy request, {tokens} tokens, k = {a.k}, {scheme}", rows)
     run.save(rows, name="speculative_decode" + "_quick" * a.quick, scheme=scheme, k=a.k,
              tokens=tokens, summary="; ".join(
                  f"{r['task']}: {r['speedup']:.2f}x ({r['ngram_tok_s']:.1f} vs "
                  f"{r['plain_tok_s']:.1f} tok/s), {r['accepted']:.0%} of drafts accepted, "
-                 f"tokens {'equal' if r['same_tokens'] else 'DIFFERENT'}" for r in rows))
+                 f"tokens {'equal' if r['same_tokens'] else 'DIFFERENT'}; hyla generate "
+                 f"{r['generate_speedup']:.2f}x, tokens "
+                 f"{'equal' if r['generate_same_tokens'] else 'DIFFERENT'}" for r in rows))

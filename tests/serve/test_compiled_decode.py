@@ -50,6 +50,20 @@ def test_one_graph_serves_every_context_length_and_matches_eager(model):
     torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
 
 
+def test_window_rings_compile_once_and_match_eager():
+    """A sliding-window layer (with sinks) beside a full one: its ring is written and read
+    inside the graph, one graph for every context, equal to eager past the window."""
+    torch.manual_seed(1)
+    cfg = preset("debug")
+    cfg.layers, cfg.mixer_options = "AA", {"attention": {"sinks": True}}
+    cfg.layer_overrides = [{}, {"sliding_window": 8}]
+    windowed = HylaLM(cfg).eval()
+    eager = _run(Runner(windowed, max_num_seqs=2, num_kv_blocks=10))
+    compiled = Runner(windowed, max_num_seqs=2, num_kv_blocks=10, compile=True)
+    torch.testing.assert_close(_run(compiled), eager, rtol=1e-4, atol=1e-4)
+    assert compiled.num_compilations == 1
+
+
 def test_a_wide_batch_compiles_once_and_matches_eager(model):
     width = SPAN_MAX_BATCH + 2                 # wide: attention through attend_fused
     tables = [list(range(5 * b, 5 * b + 5)) for b in range(width)]
