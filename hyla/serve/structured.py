@@ -9,9 +9,10 @@ below the 10%-of-decode target, but llguidance installs alone (XGrammar requires
 takes GBNF and Lark grammars, and bounds a grammar's work by limits instead of time.
 
 - :class:`GrammarCompiler`: a :class:`~hyla.serve.sequence.GrammarSpec` -> a validated
-  llguidance grammar, cached by spec (least recently used dropped first), and a matcher
-  (its parser state) per request. A schema or grammar that is invalid, unsatisfiable or
-  recursive without a base case is a ValueError naming the problem.
+  llguidance matcher (its parser: building one takes up to seconds for a big schema), kept
+  by spec (least recently used dropped first); each request gets a copy of it (microseconds,
+  so the engine's thread never builds one the API compiled). A schema or grammar that is
+  invalid, unsatisfiable or recursive without a base case is a ValueError naming it.
 - :class:`MaskBatch`: the masks of one step's constrained rows, computed on a worker
   thread while the model runs (llguidance releases the GIL), then applied to the logits.
 
@@ -63,7 +64,7 @@ class GrammarCompiler:
     event loop, the engine looks up the same cache)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: Sequence[int], *,
-                 cache_size: int = 256):
+                 cache_size: int = 64):
         import llguidance
 
         # a tokenizer with no end-of-text token (hyla's byte one): byte 0 ends a grammar
@@ -72,33 +73,30 @@ class GrammarCompiler:
         self.tokenizer = llguidance.LLTokenizer(tokenizers_json(tokenizer), n_vocab=vocab_size,
                                                 eos_token=list(stop_ids))
         self.vocab_size = vocab_size
-        self._cache: OrderedDict[GrammarSpec, str] = OrderedDict()
+        self._cache: OrderedDict[GrammarSpec, object] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
-    def compile(self, spec: GrammarSpec) -> str:
-        """The llguidance grammar of ``spec``, validated (ValueError naming the problem)."""
+    def compile(self, spec: GrammarSpec):
+        """The matcher of ``spec`` in its start state, kept for copies (ValueError naming
+        the problem when the grammar is invalid)."""
         with self._lock:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
                 return self._cache[spec]
-        grammar = self._build(spec)
-        failed, messages = self._ll.LLMatcher.validate_grammar_with_warnings(grammar,
-                                                                             self.tokenizer)
-        if failed:
-            raise ValueError(f"the {_noun(spec)} is invalid: {messages[0].strip()}")
+        template = self._ll.LLMatcher(self.tokenizer, self._build(spec), log_level=0)
+        if template.is_error():
+            raise ValueError(f"the {_noun(spec)} is invalid: {template.get_error().strip()}")
         with self._lock:
-            self._cache[spec] = grammar
+            self._cache[spec] = template
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        return grammar
+        return template
 
     def matcher(self, spec: GrammarSpec):
-        """A fresh parser state (``llguidance.LLMatcher``) for one request."""
-        m = self._ll.LLMatcher(self.tokenizer, self.compile(spec), log_level=0)
-        if m.is_error():
-            raise ValueError(f"the {_noun(spec)} is invalid: {m.get_error()}")
-        return m
+        """A fresh parser state (``llguidance.LLMatcher``) for one request: a copy of the
+        compiled one."""
+        return self.compile(spec).deep_copy()
 
     def _build(self, spec: GrammarSpec) -> str:
         ll, text = self._ll, spec.source
