@@ -17,7 +17,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import pathlib
 import sys
 import time
 
@@ -182,6 +181,7 @@ def cmd_chat(args: argparse.Namespace, out: Console) -> int:
     import torch
 
     check_sampling(args)
+    schema = read_schema(args.json_schema) if args.json_schema is not None else None
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()
@@ -199,14 +199,6 @@ def cmd_chat(args: argparse.Namespace, out: Console) -> int:
     err.print(f"[bold]{name}[/] loaded in {time.perf_counter() - start:.1f} s. "
               f"{state_note(model)}")
     err.print("[dim]/reset starts over, /exit or Ctrl-D ends, Ctrl-C stops a reply[/]")
-    schema = None
-    if args.json_schema is not None:
-        import json
-
-        try:
-            schema = json.loads(pathlib.Path(args.json_schema).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise ValueError(f"--json-schema {args.json_schema}: {e}") from None
     try:
         chat = Conversation(model, tok, system=args.system, max_tokens=args.max_tokens,
                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -246,6 +238,25 @@ def cmd_chat(args: argparse.Namespace, out: Console) -> int:
             sys.stdout.flush()
             err.print(f"[dim]{turn_line(chat.last)}[/]")
     return 0
+
+
+def read_schema(path: str):
+    """``--json-schema``'s file as JSON, read before the model loads: at most the 64 KiB a
+    schema may hold (so ``/dev/zero`` is refused, not read), UTF-8 with or without a BOM."""
+    import json
+
+    from hyla.serve.sequence import MAX_GRAMMAR_CHARS
+
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(4 * MAX_GRAMMAR_CHARS + 1)
+        if len(raw) > 4 * MAX_GRAMMAR_CHARS:
+            raise ValueError(f"larger than {4 * MAX_GRAMMAR_CHARS} bytes: a schema holds at "
+                             f"most {MAX_GRAMMAR_CHARS} characters")
+        return json.loads(raw.decode("utf-8-sig"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        what = "nested too deeply" if isinstance(e, RecursionError) else e
+        raise ValueError(f"--json-schema {path}: {what}") from None
 
 
 def turn_line(last: dict) -> str:

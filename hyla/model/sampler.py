@@ -99,7 +99,9 @@ def sample(logits: torch.Tensor, params: list, generators: list[torch.Generator 
         if p.logprobs is not None:
             lp = torch.log_softmax(logits[b], dim=-1)
             top = torch.topk(lp, min(p.logprobs, lp.numel())) if p.logprobs else None
-            logps[b] = TokenLogprob(tokens[b], float(lp[tokens[b]]),
-                                    list(zip(top.indices.tolist(), top.values.tolist(),
-                                             strict=True)) if top is not None else [])
+            # tokens a grammar ruled out (-inf) are no alternatives: fewer than asked then
+            alts = [] if top is None else [
+                (t, v) for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+                if v != float("-inf")]
+            logps[b] = TokenLogprob(tokens[b], float(lp[tokens[b]]), alts)
     return tokens, logps

@@ -18,7 +18,8 @@ MAX_STOP_TOKEN_IDS = 1024
 
 
 GRAMMAR_KINDS = ("json_schema", "regex", "grammar", "lark", "choice")
-MAX_GRAMMAR_CHARS = 64 * 1024      # a schema or grammar larger than this is refused
+MAX_GRAMMAR_CHARS = 64 * 1024      # a schema or grammar a client sends: larger is refused
+MAX_BUILT_GRAMMAR_CHARS = 1 << 20  # one hyla builds from parts (many tools' schemas)
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,9 @@ class GrammarSpec:
             raise ValueError(f"grammar kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
         if not isinstance(self.source, str) or not self.source.strip():
             raise ValueError(f"the {self.kind} must be a non-empty string")
-        if len(self.source) > MAX_GRAMMAR_CHARS:
+        if len(self.source) > MAX_BUILT_GRAMMAR_CHARS:
             raise ValueError(f"the {self.kind} is too large: {len(self.source)} characters, "
-                             f"at most {MAX_GRAMMAR_CHARS}")
+                             f"at most {MAX_BUILT_GRAMMAR_CHARS}")
 
 
 @dataclass(kw_only=True)
@@ -122,8 +123,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_real(value) or not -2 <= value <= 2:     # NaN fails the range too
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
-        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
-            raise ValueError(f"repetition_penalty must be a number in (0, 100], got "
+        # below 0.01 a float32 logit divided by it overflows to inf
+        if not _is_real(self.repetition_penalty) or not 0.01 <= self.repetition_penalty <= 100:
+            raise ValueError(f"repetition_penalty must be a number in [0.01, 100], got "
                              f"{self.repetition_penalty!r}")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise ValueError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")

@@ -42,6 +42,7 @@ from hyla.serve.sequence import GrammarSpec
 # could fill until max_tokens
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_SCHEMA_NODES = 20_000
+MAX_CHOICES = 1000         # llguidance's rows hold 2,000 items: more choices fail to parse
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 
 
@@ -85,8 +86,16 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
                 return self._cache[spec]
         template = self._ll.LLMatcher(self.tokenizer, self._build(spec), log_level=0)
-        if template.is_error():
-            raise ValueError(f"the {_noun(spec)} is invalid: {template.get_error().strip()}")
+        # a grammar whose first step already exceeds the parser's limits fails here, not
+        # at the request's first token
+        probe = template.deep_copy()
+        mask = torch.full(((self.vocab_size + 31) // 32,), -1, dtype=torch.int32)
+        if not template.is_error():
+            probe.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
+        for m in (template, probe):
+            if m.is_error():
+                raise ValueError(f"the {_noun(spec)} is invalid: "
+                                 f"{m.get_error().strip().splitlines()[0][:300]}")
         with self._lock:
             self._cache[spec] = template
             while len(self._cache) > self._cache_size:
@@ -116,6 +125,9 @@ class GrammarCompiler:
                     isinstance(c, str) and c for c in choices):
                 raise ValueError("the list of choices is invalid: expected a JSON list of "
                                  "non-empty strings")
+            if len(choices) > MAX_CHOICES:
+                raise ValueError(f"the list of choices is too long: {len(choices)}, at most "
+                                 f"{MAX_CHOICES} (a JSON schema enum takes more)")
         try:
             return ll.grammar_from(spec.kind, text)        # "grammar" (GBNF or Lark), "choice"
         except ValueError as e:
@@ -134,9 +146,15 @@ def parse_schema(text: str) -> dict | bool:
         schema = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
-    if not isinstance(schema, dict | bool):
+    except RecursionError:
+        raise ValueError("the JSON schema is nested too deeply") from None
+    if not isinstance(schema, dict):
         raise ValueError(f"the JSON schema must be a JSON object, got {type(schema).__name__}")
-    if not has_finite_instance(schema):
+    try:
+        finite = has_finite_instance(schema)
+    except RecursionError:
+        raise ValueError("the JSON schema is nested too deeply") from None
+    if not finite:
         raise ValueError("the JSON schema is recursive without a base case: every value it "
                          "allows contains itself, so no finite JSON can satisfy it")
     return schema
@@ -175,7 +193,8 @@ def has_finite_instance(schema) -> bool:
     False when every path through some required property, non-empty array or ``allOf``
     leads back to where it started (``{"properties": {"a": {"$ref": "#"}}, "required":
     ["a"]}``). Types, bounds and formats are the grammar engine's to check. Least fixed
-    point over the local references (``#``, ``#/$defs/...``, ``#/definitions/...``).
+    point over the local references (any JSON pointer into the schema: ``#``,
+    ``#/$defs/...``, ``#/properties/a``, ``~0`` and ``~1`` escapes).
 
     Example:
         >>> tree = {"$defs": {"n": {"type": "object", "properties": {"kids": {"type": "array",
@@ -187,25 +206,26 @@ def has_finite_instance(schema) -> bool:
     refs: dict[str, object] = {"#": schema}
     nodes = [0]
 
-    def collect(node, path: str) -> None:
+    def collect(node) -> None:
         nodes[0] += 1
         if nodes[0] > MAX_SCHEMA_NODES:
             raise ValueError(f"the JSON schema is too large: more than {MAX_SCHEMA_NODES} "
                              f"subschemas")
         if isinstance(node, dict):
-            for key in ("$defs", "definitions"):
-                if isinstance(node.get(key), dict) and path == "#":
-                    for name, sub in node[key].items():
-                        refs[f"#/{key}/{name}"] = sub
-            for key, sub in node.items():
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#") and ref not in refs:
+                target = _pointer(schema, ref)
+                if target is not None:
+                    refs[ref] = target
+            for sub in node.values():
                 if isinstance(sub, dict | list):
-                    collect(sub, f"{path}/{key}")
+                    collect(sub)
         elif isinstance(node, list):
             for sub in node:
                 if isinstance(sub, dict | list):
-                    collect(sub, path)
+                    collect(sub)
 
-    collect(schema, "#")
+    collect(schema)
     known = dict.fromkeys(refs, False)
 
     def finite(node) -> bool:
@@ -239,6 +259,20 @@ def has_finite_instance(schema) -> bool:
             if not known[name] and finite(node):
                 known[name] = changed = True
     return known["#"]
+
+
+def _pointer(schema, ref: str):
+    """The node a local ``$ref`` (``#`` or ``#/a/b``, RFC 6901 escapes) points at, or None."""
+    node = schema
+    for part in ref[1:].split("/")[1:] if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -337,11 +371,15 @@ class Constraints:
             self._masks.apply(logits, {r: i for i, r in enumerate(request_ids)})
 
     def consume(self, request_id: str, token: int) -> str | None:
-        """Advance a request's grammar by its sampled token; why it cannot, or None."""
+        """Advance a request's grammar by its sampled token; why it cannot (a rejected
+        token, or a grammar that failed: then its output is not complete), or None."""
         m = self.matchers.get(request_id)
-        if m is None or m.consume_token(token):
+        if m is None:
             return None
-        return f"the grammar rejected token {token}: {m.get_error() or 'not allowed here'}"
+        if m.consume_token(token) and not m.is_error():
+            return None
+        why = (m.get_error() or "not allowed here").strip().splitlines()[0][:300]
+        return f"the grammar failed at token {token}: {why}"
 
     def done(self, request_id: str) -> bool:
         """Whether the request's grammar is complete and admits nothing more."""
@@ -379,6 +417,7 @@ class TokenConstraint:
 
     def accept(self, token: int) -> bool:
         """Feed ``token``; True when the grammar is complete (nothing more may follow)."""
-        if not self._matcher.consume_token(token):
-            raise ValueError(f"the grammar rejected token {token}: {self._matcher.get_error()}")
+        if not self._matcher.consume_token(token) or self._matcher.is_error():
+            why = self._matcher.get_error().strip().splitlines()[:1]
+            raise ValueError(f"the grammar failed at token {token}: {''.join(why)[:300]}")
         return self._matcher.is_stopped()

@@ -59,7 +59,7 @@ def test_grammar_specs_refuse_bad_fields():
     with pytest.raises(ValueError, match="kind"):
         GrammarSpec("yaml", "x")
     with pytest.raises(ValueError, match="too large"):
-        GrammarSpec("regex", "a" * 70_000)
+        GrammarSpec("regex", "a" * ((1 << 20) + 1))
     with pytest.raises(ValueError, match="grammar must be a GrammarSpec"):
         SamplingParams(grammar="[0-9]+")
     with pytest.raises(ValueError, match="frequency_penalty"):
@@ -264,3 +264,49 @@ def test_chat_json_schema_python_api_and_cli(tmp_path, capsys):
     bad.write_text('{"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}')
     assert main(["chat", "--preset", "debug", "--json-schema", str(bad)]) == 2
     assert "recursive without a base case" in capsys.readouterr().err
+    assert main(["chat", "--preset", "debug", "--json-schema", "/dev/zero"]) == 2   # unbounded
+    assert "larger than" in capsys.readouterr().err
+    bad.write_bytes(b"\xef\xbb\xbf" + json.dumps(schema).encode())     # a BOM: fine
+    from hyla.cli.chat import read_schema
+    assert read_schema(str(bad)) == schema
+
+
+@pytest.mark.parametrize("body, param, needle", [
+    ({"guided_choice": [f"c{i}" for i in range(1500)]}, "guided_choice", "too long"),
+    ({"guided_regex": "(a{1000}){1000}"}, "grammar", "too many expressions"),
+    ({"guided_grammar": 'root ::= "a" root'}, "grammar", "Too many items"),
+    ({"guided_json": {"properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}},
+     "guided_json", "recursive"),
+    ({"guided_json": "[" * 1000 + "]" * 1000}, "guided_json", "nested too deeply"),
+    ({"guided_json": True}, "guided_json", "must be a JSON object"),
+    ({"repetition_penalty": 1e-300}, "repetition_penalty", "repetition_penalty"),
+    ({"tools": [{"type": "function", "function": {"name": "abc\n"}}]},
+     "tools.0.function.name", "letters"),
+    ({"tools": [{"type": "function", "function": {"name": f"t{i}", "parameters": {
+        "type": "object", "properties": {f"p{j}": {"type": "string", "description": "x" * 40}
+                                         for j in range(300)}}}} for i in range(12)]},
+     "messages", "maximum context length"),      # their grammar builds (a 500 before)
+])
+def test_api_hostile_structured_requests_are_400s(client, body, param, needle):
+    """What a hostile client found (each was a 500, a 503 or a wrong 200 before)."""
+    r = _chat(client, **body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert needle in r.json()["error"]["message"], r.text
+
+
+def test_api_tools_with_nested_defs_and_logprobs_without_masked_tokens(client):
+    """A Pydantic model's tool (nested models as $defs/$ref) works; top_logprobs under a
+    grammar list no ruled-out token."""
+    person = {"$defs": {"Addr": {"type": "object", "properties": {
+        "city": {"enum": ["Oslo", "Rome"]}}, "required": ["city"]}},
+        "type": "object", "properties": {"home": {"$ref": "#/$defs/Addr"}},
+        "required": ["home"]}
+    tool = {"type": "function", "function": {"name": "where", "parameters": person}}
+    r = _chat(client, tools=[tool], tool_choice="required", temperature=0, max_tokens=120,
+              parallel_tool_calls=False).json()
+    call = r["choices"][0]["message"]["tool_calls"][0]
+    assert json.loads(call["function"]["arguments"])["home"]["city"] in ("Oslo", "Rome")
+    r = _chat(client, guided_choice=["yes", "no"], logprobs=True, top_logprobs=5,
+              temperature=0).json()
+    for entry in r["choices"][0]["logprobs"]["content"]:
+        assert all(t["logprob"] is not None for t in entry["top_logprobs"])

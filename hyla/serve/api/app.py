@@ -233,6 +233,9 @@ def engine_error(e: Exception) -> APIError:
                         headers={"Retry-After": "1"})
     if isinstance(e, ValueError):
         return APIError(str(e), param=param_of(str(e)))
+    if isinstance(e, RequestFailed) and "the grammar failed" in str(e):
+        # the request's own grammar outgrew the parser's limits partway: its fault, a 400
+        return APIError(str(e), param="grammar", code="grammar_failed")
     code = ("request_failed" if isinstance(e, RequestFailed) else
             "engine_failed" if isinstance(e, EngineFailed) else None)
     return APIError(str(e), status=503, type="server_error", code=code)

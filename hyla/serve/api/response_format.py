@@ -14,11 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 from hyla.serve.api.schemas import APIError
-from hyla.serve.sequence import GrammarSpec
+from hyla.serve.sequence import MAX_GRAMMAR_CHARS, GrammarSpec
 
 COMPILE_SECONDS = 5.0
+QUEUE_SECONDS = 10.0       # waiting for a compiler thread: past this the server is busy
+# grammars compile on their own threads: a client's slow schemas (which run on after their
+# 400) hold these, not the pool prompts are tokenised on
+_POOL = ThreadPoolExecutor(2, thread_name_prefix="hyla-grammar-compile")
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
 
@@ -95,6 +102,9 @@ def _extension(key: str, value, param: str) -> GrammarSpec:
 
 
 def _spec(kind: str, source: str, param: str) -> GrammarSpec:
+    if len(source) > MAX_GRAMMAR_CHARS:
+        raise APIError(f"{param}: the {kind} is too large: {len(source)} characters, at most "
+                       f"{MAX_GRAMMAR_CHARS}", param=param)
     try:
         return GrammarSpec(kind, source)
     except ValueError as e:
@@ -102,15 +112,26 @@ def _spec(kind: str, source: str, param: str) -> GrammarSpec:
 
 
 async def compile_grammar(constraints, spec: GrammarSpec, param: str, pool=None) -> None:
-    """Compile ``spec`` into the engine's cache off the event loop (the tokenizer's
-    grammar tables are built on the first), bounded by :data:`COMPILE_SECONDS`; APIError
-    (400) naming ``param`` if it is invalid or too slow to compile."""
+    """Compile ``spec`` into the engine's cache on a compiler thread (the tokenizer's
+    grammar tables are built on the first): APIError 400 naming ``param`` if it is invalid
+    or compiles for more than :data:`COMPILE_SECONDS`, 503 if no compiler thread took it
+    within :data:`QUEUE_SECONDS` (other clients' slow grammars hold them)."""
     loop = asyncio.get_running_loop()
+    started = threading.Event()
 
     def build():
+        started.set()
         return constraints.compiler.compile(spec)
+    job = asyncio.ensure_future(loop.run_in_executor(pool or _POOL, build))
+    queued = time.monotonic()
+    while not started.is_set() and not job.done():
+        if time.monotonic() - queued > QUEUE_SECONDS:
+            raise APIError("the grammar compilers are busy with other requests; retry "
+                           "shortly", status=503, type="server_error", param=param,
+                           code="grammar_compilers_busy", headers={"Retry-After": "5"})
+        await asyncio.sleep(0.01)
     try:
-        await asyncio.wait_for(loop.run_in_executor(pool, build), COMPILE_SECONDS)
+        await asyncio.wait_for(asyncio.shield(job), COMPILE_SECONDS)
     except TimeoutError:
         raise APIError(f"{param}: the grammar took more than {COMPILE_SECONDS:.0f} s to "
                        f"compile; simplify it", param=param) from None

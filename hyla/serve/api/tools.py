@@ -20,12 +20,12 @@ import uuid
 from dataclasses import dataclass
 
 from hyla.serve.api.schemas import APIError
-from hyla.serve.sequence import MAX_GRAMMAR_CHARS, GrammarSpec
+from hyla.serve.sequence import MAX_BUILT_GRAMMAR_CHARS, MAX_GRAMMAR_CHARS, GrammarSpec
 from hyla.serve.structured import JSON_OPTIONS, closed, parse_schema
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 SYSTEM = ("You may call one or more functions to assist with the user query.\n\n"
           "You are provided with function signatures within <tools></tools> XML tags:\n"
@@ -51,14 +51,26 @@ class Tools:
         with calls wherever ``<tool_call>`` opens (``auto``)."""
         chosen = [t for t in self.tools if self.choice in ("auto", "required")
                   or t["function"]["name"] == self.choice]
-        # JSON as models write it, as response_format's (no free whitespace to fill)
-        call = {"anyOf": [_call_schema(t["function"]) for t in chosen],
-                "x-guidance": JSON_OPTIONS}
-        body = json.dumps(closed(call))
+        # each tool's parameters under $defs, their own "#..." references re-rooted there,
+        # so a Pydantic model's nested $defs (and a recursive "#") resolve inside them; JSON
+        # as models write it, as response_format's (no free whitespace to fill)
+        defs = {f"tool{i}": _rerooted(closed(t["function"].get("parameters") or {
+            "type": "object", "properties": {}}), f"#/$defs/tool{i}")
+            for i, t in enumerate(chosen)}
+        call = {"anyOf": [{"type": "object", "properties": {
+            "name": {"const": t["function"]["name"]},
+            "arguments": {"$ref": f"#/$defs/tool{i}"}}, "required": ["name", "arguments"],
+            "additionalProperties": False} for i, t in enumerate(chosen)],
+            "$defs": defs, "x-guidance": JSON_OPTIONS}
+        body = json.dumps(call)
+        if len(body) > MAX_BUILT_GRAMMAR_CHARS:
+            raise APIError(f"tools: the tools' schemas together are too large ({len(body)} "
+                           f"characters, at most {MAX_BUILT_GRAMMAR_CHARS}): send fewer",
+                           param="tools")
         if self.choice == "auto":
             import llguidance
 
-            tag = llguidance.StructTag(trigger=OPEN, begin=OPEN + "\n", grammar=closed(call),
+            tag = llguidance.StructTag(trigger=OPEN, begin=OPEN + "\n", grammar=call,
                                        end="\n" + CLOSE)
             # a dict grammar: to_grammar returns plain Lark
             return GrammarSpec("lark", llguidance.StructTag.to_grammar([tag],
@@ -69,11 +81,19 @@ class Tools:
         return GrammarSpec("lark", lark)
 
 
-def _call_schema(function: dict) -> dict:
-    params = function.get("parameters") or {"type": "object", "properties": {}}
-    return {"type": "object", "properties": {"name": {"const": function["name"]},
-                                             "arguments": params},
-            "required": ["name", "arguments"]}
+def _rerooted(schema, root: str):
+    """``schema`` with its local references (``#``, ``#/...``) made relative to ``root``,
+    where it is moved to."""
+    if isinstance(schema, list):
+        return [_rerooted(s, root) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rerooted(v, root) if k not in ("const", "enum", "default", "examples") else v
+           for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = root + ref[1:]
+    return out
 
 
 def parse_tools(tools, tool_choice, parallel_tool_calls) -> Tools | None:
@@ -95,7 +115,7 @@ def parse_tools(tools, tool_choice, parallel_tool_calls) -> Tools | None:
                            param=where)
         f = t["function"]
         name = f.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise APIError(f"{where}.function.name must be 1-64 letters, digits, '_' or '-', "
                            f"got {name!r}", param=f"{where}.function.name")
         if name in seen:
@@ -178,7 +198,7 @@ def _arguments(text: str):
     """A call's arguments as the template wants them: the object its JSON text holds."""
     try:
         return json.loads(text)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return text
 
 
@@ -187,7 +207,7 @@ def new_call(body: str) -> dict | None:
     ``{"name": str, "arguments": object}``)."""
     try:
         call = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
