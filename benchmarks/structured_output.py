@@ -45,7 +45,8 @@ def step_times(eng, prompts: list[list[int]], params: SamplingParams) -> list[fl
 
 
 def mask_costs(tok) -> list[dict]:
-    from hyla.serve.structured import GrammarCompiler, closed
+    from hyla.serve.json_schema import closed
+    from hyla.serve.structured import GrammarCompiler
 
     vocab = 49152
     gc = GrammarCompiler(tok, vocab, [tok.eos_id])

@@ -3,10 +3,11 @@
 Grammars are compiled by `llguidance <https://github.com/guidance-ai/llguidance>`_ (the
 engine llama.cpp and vLLM use too), picked over XGrammar for what ``benchmarks/
 structured_output.py`` measured on SmolLM2's 49,152-token vocabulary: both compile all 30
-test schemas in under 15 ms and compute a mask in 10-90 us (XGrammar 1-5 us), both far
-below the 10%-of-decode target, but llguidance installs alone (XGrammar requires
-``transformers`` and ``triton``), reads the ``tokenizers`` JSON every hyla tokenizer has,
-takes GBNF and Lark grammars, and bounds a grammar's work by limits instead of time.
+test schemas (llguidance in at most 2 ms, XGrammar 15 ms) and compute a token's mask in
+7-93 us (XGrammar 0.7-5 us), both far below the 10%-of-decode target, but llguidance
+installs alone (XGrammar requires ``transformers`` and ``triton``), reads the ``tokenizers``
+JSON every hyla tokenizer has, and takes GBNF and Lark grammars. Schemas are checked and
+closed first (:mod:`hyla.serve.json_schema`).
 
 - :class:`GrammarCompiler`: a :class:`~hyla.serve.sequence.GrammarSpec` -> a validated
   llguidance matcher (its parser: building one takes up to seconds for a big schema), kept
@@ -14,7 +15,7 @@ takes GBNF and Lark grammars, and bounds a grammar's work by limits instead of t
   so the engine's thread never builds one the API compiled). A schema or grammar that is
   invalid, unsatisfiable or recursive without a base case is a ValueError naming it.
 - :class:`MaskBatch`: the masks of one step's constrained rows, computed on a worker
-  thread while the model runs (llguidance releases the GIL), then applied to the logits.
+  thread while the model runs, then applied to the logits.
 
 Example:
     >>> from hyla.data.tokenizer import ByteTokenizer
@@ -36,14 +37,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from hyla.serve.json_schema import closed, parse_schema
 from hyla.serve.sequence import GrammarSpec
 
 # JSON as models write it (json.dumps' separators), with no free whitespace a small model
 # could fill until max_tokens
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-MAX_SCHEMA_NODES = 20_000
 MAX_CHOICES = 1000         # llguidance's rows hold 2,000 items: more choices fail to parse
-_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 
 
 def tokenizers_json(tokenizer) -> str:
@@ -137,142 +137,6 @@ class GrammarCompiler:
 def _noun(spec: GrammarSpec) -> str:
     return {"json_schema": "JSON schema", "regex": "regular expression",
             "choice": "list of choices"}.get(spec.kind, "grammar")
-
-
-def parse_schema(text: str) -> dict | bool:
-    """A JSON schema from its text: ValueError unless it is a JSON object (or boolean) that
-    some finite JSON value can satisfy (:func:`has_finite_instance`)."""
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
-    except RecursionError:
-        raise ValueError("the JSON schema is nested too deeply") from None
-    if not isinstance(schema, dict):
-        raise ValueError(f"the JSON schema must be a JSON object, got {type(schema).__name__}")
-    try:
-        finite = has_finite_instance(schema)
-    except RecursionError:
-        raise ValueError("the JSON schema is nested too deeply") from None
-    if not finite:
-        raise ValueError("the JSON schema is recursive without a base case: every value it "
-                         "allows contains itself, so no finite JSON can satisfy it")
-    return schema
-
-
-def closed(schema):
-    """``schema`` with objects that name their properties taking no others unless it says
-    so (``additionalProperties``), as XGrammar's strict mode (vLLM's default) and OpenAI's
-    strict schemas do: without it a small model keeps inventing keys until ``max_tokens``.
-
-    Example:
-        >>> closed({"type": "object", "properties": {"a": {"type": "object",
-        ...         "properties": {}}}})["properties"]["a"]["additionalProperties"]
-        False
-    """
-    if isinstance(schema, list):
-        return [closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for key, value in schema.items():
-        if key in _SCHEMA_MAPS and isinstance(value, dict):     # names -> subschemas
-            out[key] = {name: closed(sub) for name, sub in value.items()}
-        elif key in ("const", "enum", "default", "examples", "required"):   # values
-            out[key] = value
-        else:
-            out[key] = closed(value)
-    if "properties" in out and not {"additionalProperties", "unevaluatedProperties",
-                                    "patternProperties"} & out.keys():
-        out["additionalProperties"] = False
-    return out
-
-
-def has_finite_instance(schema) -> bool:
-    """Whether a finite JSON value could satisfy ``schema`` as far as its ``$ref`` cycles go:
-    False when every path through some required property, non-empty array or ``allOf``
-    leads back to where it started (``{"properties": {"a": {"$ref": "#"}}, "required":
-    ["a"]}``). Types, bounds and formats are the grammar engine's to check. Least fixed
-    point over the local references (any JSON pointer into the schema: ``#``,
-    ``#/$defs/...``, ``#/properties/a``, ``~0`` and ``~1`` escapes).
-
-    Example:
-        >>> tree = {"$defs": {"n": {"type": "object", "properties": {"kids": {"type": "array",
-        ...         "items": {"$ref": "#/$defs/n"}}}}}, "$ref": "#/$defs/n"}
-        >>> loop = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
-        >>> has_finite_instance(tree), has_finite_instance(loop)
-        (True, False)
-    """
-    refs: dict[str, object] = {"#": schema}
-    nodes = [0]
-
-    def collect(node) -> None:
-        nodes[0] += 1
-        if nodes[0] > MAX_SCHEMA_NODES:
-            raise ValueError(f"the JSON schema is too large: more than {MAX_SCHEMA_NODES} "
-                             f"subschemas")
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#") and ref not in refs:
-                target = _pointer(schema, ref)
-                if target is not None:
-                    refs[ref] = target
-            for sub in node.values():
-                if isinstance(sub, dict | list):
-                    collect(sub)
-        elif isinstance(node, list):
-            for sub in node:
-                if isinstance(sub, dict | list):
-                    collect(sub)
-
-    collect(schema)
-    known = dict.fromkeys(refs, False)
-
-    def finite(node) -> bool:
-        if not isinstance(node, dict):
-            return node is not False
-        ok = True
-        ref = node.get("$ref")
-        if isinstance(ref, str):
-            ok = known.get(ref, True)         # a remote or unknown reference: not ours to judge
-        for key in ("anyOf", "oneOf"):
-            if isinstance(node.get(key), list) and node[key]:
-                ok = ok and any(finite(b) for b in node[key])
-        if isinstance(node.get("allOf"), list):
-            ok = ok and all(finite(b) for b in node["allOf"])
-        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-        for name in node.get("required") or ():
-            if isinstance(name, str) and name in props:
-                ok = ok and finite(props[name])
-        least = node.get("minItems", 0)
-        if isinstance(least, int) and least > 0:
-            prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
-            ok = ok and all(finite(p) for p in prefix[:least])
-            if least > len(prefix) and "items" in node:
-                ok = ok and finite(node["items"])
-        return ok
-
-    changed = True
-    while changed:
-        changed = False
-        for name, node in refs.items():
-            if not known[name] and finite(node):
-                known[name] = changed = True
-    return known["#"]
-
-
-def _pointer(schema, ref: str):
-    """The node a local ``$ref`` (``#`` or ``#/a/b``, RFC 6901 escapes) points at, or None."""
-    node = schema
-    for part in ref[1:].split("/")[1:] if ref != "#" else []:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -18,9 +18,10 @@ from hyla.serve.api.schemas import APIError
 from hyla.serve.api.tools import ToolStream, chat_messages, parse_tools, split_calls
 from hyla.serve.async_engine import AsyncEngine
 from hyla.serve.engine import Engine, EngineConfig
+from hyla.serve.json_schema import has_finite_instance
 from hyla.serve.penalties import apply_penalties
 from hyla.serve.sequence import GrammarSpec, SamplingParams
-from hyla.serve.structured import GrammarCompiler, has_finite_instance
+from hyla.serve.structured import GrammarCompiler
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {

@@ -20,8 +20,9 @@ import uuid
 from dataclasses import dataclass
 
 from hyla.serve.api.schemas import APIError
+from hyla.serve.json_schema import closed, parse_schema
 from hyla.serve.sequence import MAX_BUILT_GRAMMAR_CHARS, MAX_GRAMMAR_CHARS, GrammarSpec
-from hyla.serve.structured import JSON_OPTIONS, closed, parse_schema
+from hyla.serve.structured import JSON_OPTIONS
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
