@@ -493,10 +493,13 @@ class Engine:
             return StepOutput(seq.request_id, [], "", True, "length", [],
                               seq.num_prompt_tokens, 0, prompt_logprobs=prompt_lps)
         text = self._text.get(seq.request_id)
-        stop_token = finished and seq.finish_reason == "stop"   # EOS / stop id: no text
+        grammar_end = self.constraints.done(seq.request_id)
+        # EOS / stop id, or the token a grammar ended on (byte 0 for the byte tokenizer,
+        # which has no EOS): no text
+        stop_token = (finished and seq.finish_reason == "stop") or (
+            grammar_end and token in self.constraints.stop_ids)
         delta = text.add(seq.output_ids, hide_last=stop_token) if text is not None else ""
-        if not finished and ((text is not None and text.stopped)
-                             or self.constraints.done(seq.request_id)):
+        if not finished and ((text is not None and text.stopped) or grammar_end):
             self.scheduler.finish(seq, "stop")      # a stop string, or the grammar's end
             finished = True
         if finished and text is not None:

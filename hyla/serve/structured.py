@@ -68,8 +68,7 @@ class GrammarCompiler:
                  cache_size: int = 64):
         import llguidance
 
-        # a tokenizer with no end-of-text token (hyla's byte one): byte 0 ends a grammar
-        stop_ids = list(stop_ids) or [0]
+        stop_ids = list(stop_ids) or [0]       # as Constraints: byte 0 for the byte tokenizer
         self._ll = llguidance
         self.tokenizer = llguidance.LLTokenizer(tokenizers_json(tokenizer), n_vocab=vocab_size,
                                                 eos_token=list(stop_ids))
@@ -205,7 +204,9 @@ class Constraints:
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: Sequence[int]):
-        self._args = (tokenizer, vocab_size, tuple(stop_ids))
+        # a tokenizer with no end-of-text token (hyla's byte one): byte 0 ends a grammar
+        self.stop_ids = tuple(stop_ids) or (0,)
+        self._args = (tokenizer, vocab_size, self.stop_ids)
         self._compiler: GrammarCompiler | None = None
         self._masks: MaskBatch | None = None
         self.matchers: dict[str, object] = {}

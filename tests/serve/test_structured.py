@@ -207,6 +207,9 @@ def test_api_response_format_and_extensions(client):
     assert r.json()["choices"][0]["text"] in ("cat", "dog")
     r = _chat(client, guided_regex="[0-9]{3}", temperature=0).json()
     assert re.fullmatch("[0-9]{3}", r["choices"][0]["message"]["content"])
+    for seed in range(4):       # open-ended: the end token (byte 0 here) is not text
+        r = _chat(client, guided_regex="[a-c]{2,6}", temperature=1.0, seed=seed).json()
+        assert re.fullmatch("[a-c]{2,6}", r["choices"][0]["message"]["content"]), r
 
 
 @pytest.mark.parametrize("body, param", [
