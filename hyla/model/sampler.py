@@ -105,3 +105,44 @@ def sample(logits: torch.Tensor, params: list, generators: list[torch.Generator 
                 if v != float("-inf")]
             logps[b] = TokenLogprob(tokens[b], float(lp[tokens[b]]), alts)
     return tokens, logps
+
+
+def accept_drafts(logits: torch.Tensor, drafts: list[int], params,
+                  generator: torch.Generator | None = None) -> tuple[int, int]:
+    """Speculative decoding's verdict on ``drafts``: ``logits`` [len(drafts) + 1, V] are the
+    model's at each draft's place and after the last. Returns (how many drafts are kept,
+    the token that follows them).
+
+    Greedy: drafts are kept while they are the argmax; the next token is the argmax. Sampled
+    (the speculative sampling rule, with a draft that put all its mass on its token): draft
+    ``d`` is kept with probability ``p(d)`` under the row's filtered, tempered distribution;
+    at the first one refused, the token is drawn from ``p`` without ``d`` (renormalised);
+    with all kept, from the last row. Each emitted token is then distributed exactly as
+    plain sampling's.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> greedy = SimpleNamespace(temperature=0, top_k=0, top_p=1.0)
+        >>> accept_drafts(torch.tensor([[0.0, 9.0], [9.0, 0.0]]), [1], greedy)
+        (1, 0)
+    """
+    if is_greedy(params.temperature):
+        best = logits.max(dim=-1).indices.tolist()
+        j = 0
+        while j < len(drafts) and drafts[j] == best[j]:
+            j += 1
+        return j, best[j]
+    for j, d in enumerate(drafts + [None]):
+        row = filter_logits(logits[j].double(), params.top_k, params.top_p) / params.temperature
+        probs = torch.softmax(row, dim=-1)
+        if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+            raise ValueError("cannot sample: the distribution is not finite (NaN or inf logits)")
+        if d is None:
+            return j, int(torch.multinomial(probs, 1, generator=generator))
+        u = float(torch.rand((), dtype=torch.float64, generator=generator))
+        if u < float(probs[d]):
+            continue
+        rest = probs.clone()
+        rest[d] = 0.0
+        return j, int(torch.multinomial(rest / rest.sum(), 1, generator=generator))
+    raise AssertionError("unreachable")

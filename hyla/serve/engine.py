@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hyla.model.model import HylaLM
-from hyla.model.sampler import TokenLogprob, sample
+from hyla.model.sampler import TokenLogprob, accept_drafts, sample
 from hyla.ops.hardware import fast_low_precision_matmul
 from hyla.serve.detokenizer import IncrementalText
 from hyla.serve.penalties import apply_penalties
@@ -64,7 +64,7 @@ class EngineConfig:
     eager_until_compiled: bool = False
     cuda_graphs: bool = False
     # speculative decoding ("ngram": drafts by n-gram lookup in the sequence itself) of
-    # up to num_speculative_tokens a step, for a greedy request decoding alone
+    # up to num_speculative_tokens a step, for a request decoding alone
     speculative: str | None = None
     num_speculative_tokens: int = 4
     # logits [B, V], per-row params and generators -> (tokens, logprobs); the same sampler
@@ -394,6 +394,13 @@ class Engine:
         self.stats["generation_tokens"] += len(seqs)
         self.stats["step_time_s"] += time.perf_counter() - t0
         return results
+
+    def verdict(self, logits: torch.Tensor, drafts: list[int], seq: Sequence
+                ) -> tuple[int, int]:
+        """Speculative decoding: how many of ``drafts`` ``seq`` keeps and the token after
+        them, from the verify pass's ``logits`` (:func:`hyla.model.sampler.accept_drafts`,
+        with the request's seeded generator)."""
+        return accept_drafts(logits, drafts, seq.params, self._generators.get(seq.request_id))
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]
                 ) -> tuple[list[int], list[TokenLogprob | None], dict[str, Exception]]:

@@ -87,9 +87,10 @@ class NgramSpeculator:
         self._backoff.pop(request_id, None)
 
     def step(self, engine, out) -> list | None:
-        """A speculative step, where one greedy request decodes alone: n-gram drafts
-        verified in one forward, the longest agreeing prefix and the model's next token
-        kept. Drafts the model rejects were consumed by the recurrent states: those are
+        """A speculative step, where one request decodes alone: n-gram drafts verified in
+        one forward, the drafts the model keeps (greedy: the agreeing prefix; sampled: by
+        the speculative sampling rule, :func:`hyla.model.sampler.accept_drafts`) and the
+        token after them. Drafts the model rejects were consumed by the recurrent states: those are
         restored and the kept tokens recomputed, so the state is exactly the one plain
         decoding would hold. None (a plain step follows) where it does not apply."""
         # (restores: a prompt one token past its cached prefix runs as a decode, and its
@@ -98,8 +99,7 @@ class NgramSpeculator:
             return None
         seq = out.decodes[0]
         p, n = seq.params, seq.num_computed_tokens
-        if (not p.greedy or p.logprobs is not None or p.grammar is not None or p.penalised
-                or n == 0
+        if (p.logprobs is not None or p.grammar is not None or p.penalised or n == 0
                 or seq.request_id in engine._prefill_only):
             return None
         wait, backoff = self._backoff.get(seq.request_id, (0, 0))
@@ -116,14 +116,16 @@ class NgramSpeculator:
         saved = r.save_scratch(seq.slot)
         tokens = [seq.token_at(n)] + drafts
         logits = r.verify(seq.slot, tokens, n, seq.block_table)
-        best, _ = engine.config.sampler(logits, [p] * len(tokens), [None] * len(tokens))
-        j = 0
-        while j < len(drafts) and drafts[j] == best[j]:
-            j += 1
+        try:
+            j, after = engine.verdict(logits, drafts, seq)
+        except Exception as e:  # noqa: BLE001 - NaN logits, say: this request alone fails
+            if saved:
+                r.restore_scratch(seq.slot, saved)
+            return [engine._fail(seq, None, e)]
         if j < len(drafts) and saved:   # fixed-size states consumed rejected drafts: go
             r.restore_scratch(seq.slot, saved)      # back (KV rows past the kept tokens are
             r.verify(seq.slot, tokens[:j + 1], n, seq.block_table)   # never read)
-        kept = drafts[:j] + [int(best[j])]
+        kept = drafts[:j] + [after]
         # a step whose drafts all fail costs about two plain ones (the verify, then the
         # recompute): after one, wait 1, 2, 4 ... 64 steps before drafting again
         if j == 0:

@@ -94,16 +94,14 @@ def test_stops_inside_a_draft_and_max_tokens(monkeypatch):
 
 
 def test_what_it_does_not_apply_to_runs_as_before():
-    """Sampling, logprobs and batches of several decode as without speculation."""
+    """Logprobs and batches of several decode as without speculation."""
     model = _model("GGGA")
     prompts = [_repetitive(s) for s in range(2)]
     spec = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=128, speculative="ngram"))
     plain = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=128))
-    sampled = SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)
     scored = dataclasses.replace(GREEDY, logprobs=2)
-    for params in (sampled, scored):
-        a, b = spec.generate([prompts[0]], params), plain.generate([prompts[0]], params)
-        assert a[0].output_ids == b[0].output_ids
+    a, b = spec.generate([prompts[0]], scored), plain.generate([prompts[0]], scored)
+    assert a[0].output_ids == b[0].output_ids
     both = spec.generate(prompts, GREEDY)
     assert [s.output_ids for s in both] == [generate(model, p, 40, temperature=0)
                                             for p in prompts]
@@ -255,3 +253,44 @@ def test_chat_with_speculation_keeps_its_state_between_turns():
         replies.append(["".join(chat.reply(t)) for t in ("abcabcabc", "abcabc again")])
         assert not chat.last["reread"]
     assert replies[0] == replies[1]
+
+
+def test_sampled_drafts_keep_the_model_s_distribution():
+    """The speculative sampling rule: whatever the drafts, each emitted token is
+    distributed as plain sampling's (first token: p0; second, when the first draft was
+    kept, p1), to within sampling noise over 20,000 draws."""
+    from types import SimpleNamespace
+
+    from hyla.model.sampler import accept_drafts
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 6) * 1.5
+    params = SimpleNamespace(temperature=0.9, top_k=5, top_p=1.0)
+    p = [torch.softmax(
+        torch.where(r >= torch.topk(r, 5).values[-1], r, float("-inf")) / 0.9, -1)
+        for r in logits.double()]
+    g = torch.Generator().manual_seed(1)
+    n, first, second = 20_000, torch.zeros(6), torch.zeros(6)
+    for _ in range(n):
+        j, after = accept_drafts(logits, [2, 4], params, g)
+        first[2 if j >= 1 else after] += 1
+        if j >= 1:
+            second[4 if j == 2 else after] += 1
+    assert (first / n - p[0]).abs().sum() < 0.03
+    assert (second / second.sum() - p[1]).abs().sum() < 0.05
+
+
+def test_sampled_requests_speculate_and_repeat_with_a_seed(monkeypatch):
+    """Drafts for a sampled request (any drafts: here the sequence's last tokens again)
+    run the verify path, free everything, and a seed gives the same tokens twice."""
+    import hyla.serve.speculative as speculative
+
+    monkeypatch.setattr(speculative, "ngram_drafts", lambda tokens, k, **kw: tokens[-k:])
+    model = _model("GGGA")
+    eng = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=128, speculative="ngram",
+                                                      enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=30, temperature=0.3, seed=3, ignore_eos=True)
+    prompt = _repetitive(2)
+    a, b = (eng.generate([prompt], params)[0] for _ in range(2))
+    assert a.output_ids == b.output_ids and len(a.output_ids) == 30
+    assert eng.stats["draft_tokens"] > 0 and eng.scheduler.pool.num_used == 0
