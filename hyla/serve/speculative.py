@@ -4,9 +4,10 @@ then follows now. Free to compute, and right often on repetitive work (editing c
 quoting the prompt). Pure Python: the engine's runner does the torch side.
 
 The engine (:meth:`hyla.serve.engine.Engine.step`) verifies the drafts in one forward and
-keeps the longest prefix the model agrees with, plus the model's own next token; a recurrent
-state that consumed rejected drafts is restored and recomputed, so the output is the model's
-greedy output.
+keeps the longest prefix the model agrees with (sampled: the drafts the speculative sampling
+rule keeps), plus the model's own next token; a recurrent state that consumed rejected
+drafts is restored and recomputed, so the output is the model's greedy output (sampled: its
+distribution).
 
 Example:
     >>> ngram_drafts([1, 2, 3, 4, 9, 1, 2, 3], 3)
