@@ -23,7 +23,11 @@ from __future__ import annotations
 import torch
 
 from hyla.model import HylaLM
+from hyla.model.sampler import accept_drafts
 from hyla.serve.runner import Runner
+from hyla.serve.sequence import SamplingParams
+
+_GREEDY = SamplingParams(temperature=0)
 
 
 class RunnerState:
@@ -98,12 +102,9 @@ class RunnerState:
         self._reserve(n + len(tokens))
         saved = self.runner.save_scratch(0)
         logits = self.runner.verify(0, tokens, n, self._table(n + len(tokens)))
-        best = logits.max(-1).indices.tolist()
-        j = 0
-        while j < len(drafts) and drafts[j] == best[j]:
-            j += 1
+        j, after = accept_drafts(logits, tokens[1:], _GREEDY)
         if j < len(drafts) and saved:
             self.runner.restore_scratch(0, saved)
             self.runner.verify(0, tokens[:j + 1], n, self._table(n + j + 1))
         self.num_tokens = n + j + 1
-        return tokens[1:j + 1] + [best[j]]
+        return tokens[1:j + 1] + [after]

@@ -41,9 +41,11 @@ def ngram_drafts(tokens: list[int], k: int, *, max_n: int = 3, min_n: int = 1,
 
 
 class NgramDrafter:
-    """Drafts for one greedy stream (``hyla generate`` and ``hyla chat``,
-    :func:`hyla.model.stream.stream_tokens`): :func:`ngram_drafts` of two tokens or more, up
-    to ``k``, and the engine's back-off after a step whose drafts all failed.
+    """Drafts for one sequence (an engine request, or ``hyla generate``'s and ``hyla chat``'s
+    stream, :func:`hyla.model.stream.stream_tokens`): :func:`ngram_drafts` of two tokens or
+    more (one-token matches were mostly wrong on prose), up to ``k``, and a back-off after a
+    step whose drafts all failed: such a step costs about two plain ones (the verify, then
+    the recompute), so it waits 1, 2, 4 ... 64 steps before drafting again.
 
     Example:
         >>> d = NgramDrafter(3)
@@ -77,15 +79,15 @@ class NgramDrafter:
 
 
 class NgramSpeculator:
-    """The engine's speculative steps with :func:`ngram_drafts`, up to ``k`` a step, and
-    each request's back-off after drafts that all failed."""
+    """The engine's speculative steps: each request's :class:`NgramDrafter`, up to ``k``
+    drafts a step."""
 
     def __init__(self, k: int):
         self.k = k
-        self._backoff: dict[str, tuple[int, int]] = {}   # rid -> (steps to wait, backoff)
+        self._drafters: dict[str, NgramDrafter] = {}
 
     def forget(self, request_id: str) -> None:
-        self._backoff.pop(request_id, None)
+        self._drafters.pop(request_id, None)
 
     def step(self, engine, out) -> list | None:
         """A speculative step, where one request decodes alone: n-gram drafts verified in
@@ -103,14 +105,10 @@ class NgramSpeculator:
         if (p.logprobs is not None or p.grammar is not None or p.penalised or n == 0
                 or seq.request_id in engine._prefill_only):
             return None
-        wait, backoff = self._backoff.get(seq.request_id, (0, 0))
-        if wait > 0:            # its recent drafts all failed: plain steps for a while
-            self._backoff[seq.request_id] = (wait - 1, backoff)
-            return None
-        room = min(self.k, p.max_tokens - len(seq.output_ids) - 1,
+        drafter = self._drafters.setdefault(seq.request_id, NgramDrafter(self.k))
+        room = min(p.max_tokens - len(seq.output_ids) - 1,
                    engine.scheduler.config.max_model_len - n - 1)
-        # matches of two tokens or more: one-token matches were mostly wrong on prose
-        drafts = ngram_drafts(seq.all_token_ids, room, min_n=2) if room > 0 else []
+        drafts = drafter.draft(seq.all_token_ids, room)
         if not drafts or not engine.scheduler.reserve_ahead(seq, n + len(drafts) + 1):
             return None
         t0, r = time.perf_counter(), engine.runner
@@ -127,13 +125,7 @@ class NgramSpeculator:
             r.restore_scratch(seq.slot, saved)      # back (KV rows past the kept tokens are
             r.verify(seq.slot, tokens[:j + 1], n, seq.block_table)   # never read)
         kept = drafts[:j] + [after]
-        # a step whose drafts all fail costs about two plain ones (the verify, then the
-        # recompute): after one, wait 1, 2, 4 ... 64 steps before drafting again
-        if j == 0:
-            backoff = min(2 * backoff or 1, 64)
-            self._backoff[seq.request_id] = (backoff, backoff)
-        else:
-            self._backoff.pop(seq.request_id, None)
+        drafter.feedback(j, len(drafts))
         engine.stats["decode_steps"] += 1
         engine.stats["decode_time_s"] += time.perf_counter() - t0
         engine.stats["draft_tokens"] += len(drafts)
