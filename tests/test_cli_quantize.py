@@ -136,3 +136,56 @@ def test_auto_leaves_a_float_checkpoint_float(capsys, checkpoint):
     assert main(["eval", "ppl", "--checkpoint", str(path), "--data", str(data), "--seq-len",
                  "64", "--max-tokens", "128"]) == 0
     assert "quantised" not in capsys.readouterr().out
+
+
+def test_generate_chat_and_serve_read_prepared_weights_the_second_time(tmp_path, monkeypatch,
+                                                                        capsys):
+    """The second start of a GGUF under ``--quantize`` reads the prepared-weights cache: the
+    same tokens from generate, the same tokenizer (chat template, special tokens) and logits
+    for serve; ``--no-weights-cache`` goes back to the file."""
+    gguf = pytest.importorskip("gguf")
+    import argparse
+
+    import torch
+
+    from hyla.cli.serve import load_serving
+    from hyla.serve.startup import StartupClock
+    from tests.model.formats.test_gguf_direct import write_tiny_llama
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("HYLA_WEIGHTS_CACHE", str(cache))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, kinds=[gguf.GGMLQuantizationType.Q4_1])
+    run = ["generate", "--checkpoint", str(path), "--prompt", "the then", "--max-tokens", "8",
+           "--temperature", "0", "--quiet"]
+    outputs = []
+    for extra in ([], [], ["--no-weights-cache"]):
+        assert main([*run, *extra]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] == outputs[2] and len(list(cache.iterdir())) == 1
+
+    def serve_args(**kw):
+        ns = dict(checkpoint=str(path), preset=None, quantize="auto", dtype="auto",
+                  device="cpu", no_weights_cache=False, allow_nonfinite=False, seed=0)
+        return argparse.Namespace(**(ns | kw))
+
+    out = io.StringIO()
+    from rich.console import Console
+
+    fresh = load_serving(serve_args(no_weights_cache=True), Console(file=out), StartupClock())
+    load_serving(serve_args(), Console(file=out), StartupClock())      # writes the entry
+    assert "prepared weights read" not in out.getvalue()
+    hit = load_serving(serve_args(), Console(file=out), StartupClock())
+    said = out.getvalue()
+    assert "prepared weights read from" in said and said.count("quantised") == 3
+    (m1, t1, n1), (m2, t2, n2) = fresh, hit
+    assert n1 == n2 and m1.quantized == m2.quantized
+    assert (t1.eos_id, t1.bos_token, t1.chat_template, t1.stop_ids) == \
+        (t2.eos_id, t2.bos_token, t2.chat_template, t2.stop_ids)
+    text = "<|im_start|>the then there<|im_end|>"
+    assert t1.encode(text) == t2.encode(text)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert t1.apply_chat_template(msgs) == t2.apply_chat_template(msgs)
+    ids = torch.tensor([t1.encode("the then there")])
+    with torch.no_grad():
+        assert torch.equal(m1(ids), m2(ids))

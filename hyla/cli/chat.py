@@ -34,7 +34,7 @@ from hyla.cli.common import (
     stop_ids,
     torch_threads,
 )
-from hyla.cli.model_flags import add_quantize, apply_quantize
+from hyla.cli.model_flags import add_quantize, add_weights_cache, apply_quantize, load_quantized
 
 
 def add_chat(sub) -> argparse.ArgumentParser:
@@ -54,6 +54,7 @@ def add_chat(sub) -> argparse.ArgumentParser:
                         "grammar-constrained decoding (default: free text)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     add_quantize(p)
+    add_weights_cache(p)
     p.set_defaults(func=cmd_chat)
     return p
 
@@ -188,14 +189,16 @@ def cmd_chat(args: argparse.Namespace, out: Console) -> int:
     if args.checkpoint is not None:
         from hyla.model.load import load_model, model_name, require_tokenizer
 
-        with torch_threads(args.threads):
-            model, tok = load_model(args.checkpoint, device=device)
-        require_tokenizer(tok, args.checkpoint, "hyla chat")
+        def load():
+            with torch_threads(args.threads):
+                model, tok = load_model(args.checkpoint, device=device)
+            return model, require_tokenizer(tok, args.checkpoint, "hyla chat")
+        model, tok, _ = load_quantized(args, err, load, device=device)
         name = model_name(args.checkpoint)
     else:
         model, tok = random_model(args.preset, args.seed)
         model, name = model.to(device), f"hyla-{args.preset} (random weights: noise)"
-    apply_quantize(model, args, err)
+        apply_quantize(model, args, err)
     err.print(f"[bold]{name}[/] loaded in {time.perf_counter() - start:.1f} s. "
               f"{state_note(model)}")
     err.print("[dim]/reset starts over, /exit or Ctrl-D ends, Ctrl-C stops a reply[/]")

@@ -71,17 +71,56 @@ def resolve_quantize(model, scheme: str) -> tuple[str, str]:
 
 def apply_quantize(model, args: argparse.Namespace, out: Console | None = None):
     """Quantise ``model`` in place as ``--quantize`` says; prints what it saved."""
+    for line in quantize_notes(model, args):
+        if out is not None:
+            out.print(line)
+    return model
+
+
+def quantize_notes(model, args: argparse.Namespace) -> list[str]:
+    """Quantise ``model`` in place as ``--quantize`` says; returns the lines that say how."""
     from hyla.model.quantize import quantize_model
 
     scheme, why = resolve_quantize(model, getattr(args, "quantize", "none"))
     report = quantize_model(model, scheme)
-    if out is not None and why:
-        out.print(why)
-    if scheme != "none" and out is not None:
-        out.print(f"quantised {report.layers} linear layers to {scheme} "
-                  f"({report.int4_layers} int4): weights {format_bytes(report.bytes_before)} "
-                  f"-> {format_bytes(report.bytes_after)}")
-    return model
+    notes = [why] if why else []
+    if scheme != "none":
+        notes.append(f"quantised {report.layers} linear layers to {scheme} "
+                     f"({report.int4_layers} int4): weights {format_bytes(report.bytes_before)} "
+                     f"-> {format_bytes(report.bytes_after)}")
+    return notes
+
+
+def add_weights_cache(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-weights-cache", action="store_true",
+                   help="load and quantise the checkpoint on every start, without the "
+                        "prepared-weights cache (what --quantize made of a file, kept in "
+                        "$HYLA_WEIGHTS_CACHE, default ~/.cache/hyla/prepared, so that the "
+                        "next start skips the work)")
+
+
+def load_quantized(args: argparse.Namespace, out: Console | None, load, *,
+                   variant: str = "", device: str = "cpu"):
+    """(model, tokenizer, whether the prepared-weights cache held it) of ``--checkpoint``
+    quantised as ``--quantize`` says: from the cache (:mod:`hyla.model.prepared`) where it
+    holds the entry, else ``load()`` (model, tokenizer) then quantised, and kept for the next
+    start. ``variant``: what else the prepared model depends on (``--dtype``)."""
+    from hyla.model.prepared import cache_root, load_prepared
+
+    def prepare():
+        model, tok = load()
+        return model, tok, quantize_notes(model, args)
+
+    model, tok, notes, hit = load_prepared(
+        args.checkpoint, getattr(args, "quantize", "none"), prepare, variant=variant,
+        device=device, use=not getattr(args, "no_weights_cache", False))
+    if out is not None:
+        for line in notes:
+            out.print(line)
+        if hit:
+            out.print(f"prepared weights read from {cache_root()} (--no-weights-cache: "
+                      f"from the checkpoint)")
+    return model, tok, hit
 
 
 def byte_size(value: str) -> int:

@@ -42,8 +42,10 @@ from hyla.cli.model_flags import (
     add_kv_cache_dtype,
     add_kv_cache_memory,
     add_quantize,
+    add_weights_cache,
     apply_quantize,
     byte_size,
+    load_quantized,
 )
 
 
@@ -61,6 +63,7 @@ def add_generate(sub) -> argparse.ArgumentParser:
                    help="no speed line on stderr (load time, prompt and decode tok/s)")
     add_allow_nonfinite(p)
     add_quantize(p)
+    add_weights_cache(p)
     p.set_defaults(func=cmd_generate)
     return p
 
@@ -140,6 +143,7 @@ def add_serve(sub) -> argparse.ArgumentParser:
                    choices=["critical", "error", "warning", "info", "debug"])
     add_allow_nonfinite(p)
     add_quantize(p)
+    add_weights_cache(p)
     add_kv_cache_memory(p)
     add_kv_cache_dtype(p)
     p.set_defaults(func=cmd_serve)
@@ -162,11 +166,13 @@ def cmd_generate(args: argparse.Namespace, out: Console) -> int:
         from hyla.model.load import load_model as load_source
         from hyla.model.load import require_tokenizer
 
-        model, tok = load_source(args.checkpoint)
-        require_tokenizer(tok, args.checkpoint, f"hyla {getattr(args, 'command', None) or 'serve'}")
+        def load():
+            model, tok = load_source(args.checkpoint)
+            return model, require_tokenizer(tok, args.checkpoint, "hyla generate")
+        model, tok, _ = load_quantized(args, None, load)
     else:
         model, tok = random_model(args.preset, args.seed)
-    apply_quantize(model, args)
+        apply_quantize(model, args)
     load_s, timing = time.perf_counter() - start, StreamTiming()
     with torch_threads(args.threads):
         text = generate_text(model, tok, args.prompt, args, timing)
@@ -214,10 +220,7 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
 
     clock = StartupClock()
     rss_before_model = rss_bytes()
-    model, tok, name = load_model(args, out)
-    clock.mark("loading")
-    model = apply_quantize(model.to(serve_dtype(args.dtype, model.anchor)), args, out)
-    clock.mark("quantising")
+    model, tok, name = load_serving(args, out, clock)
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=not args.no_prefix_caching,
@@ -277,6 +280,31 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
         out.print(f"[red]the engine failed for good: {dead[0]!r}[/]")
         return 1
     return 0
+
+
+def load_serving(args: argparse.Namespace, out: Console, clock):
+    """(model, tokenizer, name) to serve: ``--checkpoint`` through the prepared-weights
+    cache (:func:`~hyla.cli.model_flags.load_quantized`), else the preset or the quickstart
+    model, in ``--dtype`` and quantised as ``--quantize`` says; ``clock``'s phases marked."""
+    import torch
+
+    if args.checkpoint is None:
+        model, tok, name = load_model(args, out)
+        clock.mark("loading")
+        model = apply_quantize(model.to(serve_dtype(args.dtype, model.anchor)), args, out)
+        clock.mark("quantising")
+        return model, tok, name
+    from hyla.model.load import model_name
+
+    def load():
+        model, tok, _ = load_model(args, out)
+        clock.mark("loading")
+        return model.to(serve_dtype(args.dtype, model.anchor)), tok
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tok, hit = load_quantized(args, out, load, device=device, variant=args.dtype)
+    clock.mark("reading prepared weights" if hit else "quantising")
+    return model, tok, model_name(args.checkpoint)
 
 
 def warm_up(async_engine, args: argparse.Namespace, out: Console, ready: threading.Event,

@@ -77,10 +77,10 @@ class SharedSlice(nn.Module):
         return self.product.part(x, self.index)
 
 
-def fuse_siblings(parent: nn.Module, make) -> int:
+def fuse_siblings(parent: nn.Module, make, concat=torch.cat) -> int:
     """Replace each group of :data:`SIBLINGS` on ``parent`` (plain ``nn.Linear`` layers of
-    one input size) by slices of one layer ``make(weight, bias)``. Returns how many linear
-    layers were fused."""
+    one input size) by slices of one layer ``make(weight, bias)``, its weight and bias the
+    siblings' joined by ``concat``. Returns how many linear layers were fused."""
     fused = 0
     for names in SIBLINGS:
         layers = [getattr(parent, n, None) for n in names]
@@ -88,12 +88,11 @@ def fuse_siblings(parent: nn.Module, make) -> int:
             continue
         if len({m.in_features for m in layers}) != 1:
             continue
-        weight = torch.cat([m.weight.detach() for m in layers])
+        weight = concat([m.weight.detach() for m in layers])
         bias = None
         if any(m.bias is not None for m in layers):
-            bias = torch.cat([m.bias.detach() if m.bias is not None
-                              else torch.zeros(m.out_features, dtype=weight.dtype)
-                              for m in layers])
+            bias = concat([m.bias.detach() if m.bias is not None
+                           else weight.new_zeros(m.out_features) for m in layers])
         product = SharedProduct(make(weight, bias), [m.out_features for m in layers])
         parent.register_module("fused_" + "_".join(n.removesuffix("_proj") for n in names),
                                product)

@@ -76,6 +76,15 @@ INT8_KERNEL_K = 16
 INT4_BLOCK_N = 64
 
 
+def _placeholder() -> torch.Tensor:
+    return torch.empty(0, device="meta")
+
+
+def _meta_concat(parts: list[torch.Tensor]) -> torch.Tensor:
+    rows = sum(p.shape[0] for p in parts)
+    return torch.empty(rows, *parts[0].shape[1:], dtype=parts[0].dtype, device="meta")
+
+
 def _check_device(scheme: str, device: torch.device) -> None:
     # The packed kernels torch ships for CPU are the ones this module is tested with; the
     # CUDA ones take other packings and have not been run here.
@@ -115,6 +124,26 @@ class WeightOnlyLinear(nn.Module):
     # quantize_model's "-a8" schemes. Other rows (prompts) take 16 bits on the plain copy,
     # as without -a8: the two copies cost SmolLM2 about 110 MB.
     activation_bits = 16
+    # the buffers a subclass registers besides ``bias``, and whether it has a ``group``:
+    # what skeleton makes
+    BUFFERS: tuple[str, ...] = ()
+    grouped = False
+
+    @classmethod
+    def skeleton(cls, weight: torch.Tensor, bias: torch.Tensor | None,
+                 group: int = INT4_GROUP) -> WeightOnlyLinear:
+        """The layer ``cls(weight, bias, ...)`` would make, with no computation: its buffers
+        are empty meta placeholders, for a saved quantised state to fill
+        (:mod:`hyla.model.prepared`)."""
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        for name in cls.BUFFERS:
+            m.register_buffer(name, _placeholder())
+        m.register_buffer("bias", None if bias is None else _placeholder())
+        m.out_features, m.in_features = weight.shape
+        if cls.grouped:
+            m.group = group
+        return m
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -226,6 +255,7 @@ class Int8Linear(WeightOnlyLinear):
     """``y = x @ dequant(W).T + b`` with W int8 [out, in] and one bf16 scale per output row."""
 
     exact_int8_rows = True
+    BUFFERS = ("qweight", "scales")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  rows: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -296,6 +326,13 @@ def _int4_block_n() -> int | None:
         _unpack_int4(packed, *codes.shape, block=b).to(torch.int32), codes)), None)
 
 
+def machine_layout() -> tuple:
+    """What the quantised modules' classes and packed layouts depend on besides shapes: the
+    int4 packing's block on this CPU and whether fbgemm's int8 products (and VNNI) run.
+    Prepared weights (:mod:`hyla.model.prepared`) are kept per layout."""
+    return _int4_block_n(), int8_products_available(), vnni_int8_available()
+
+
 @checked_once
 def _int4_layout_known() -> bool:
     # The packing is torch's internal choice: check once that it is one unpacked here, and
@@ -331,6 +368,9 @@ def _int4_dequantized(packed: torch.Tensor, scales_zeros: torch.Tensor, n: int, 
 class Int4Linear(WeightOnlyLinear):
     """Weights as 4-bit codes in groups along the input: ``w = (q - 8) * scale + zero``."""
 
+    BUFFERS = ("packed", "scales_zeros")
+    grouped = True
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = INT4_GROUP):
         super().__init__()
         groups, lo, hi = _group_ranges(weight, group)
@@ -361,6 +401,9 @@ class Int8GroupLinear(WeightOnlyLinear):
     (one thread, the weight alone; within a whole decode step, where it comes from memory,
     the two measure about the same), at 8 bits per weight and a finer grid than one scale
     per row."""
+
+    BUFFERS = ("high", "low", "high_scales_zeros", "low_scales_zeros")
+    grouped = True
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = INT4_GROUP):
         super().__init__()
@@ -404,6 +447,18 @@ class Int8Embedding(nn.Module):
         self.register_buffer("scales", scale)
         self.dtype = weight.dtype
         self.num_embeddings, self.embedding_dim = codes.shape
+
+    @classmethod
+    def skeleton(cls, weight: torch.Tensor) -> Int8Embedding:
+        """The table ``cls(weight)`` would make, its buffers empty meta placeholders
+        (:meth:`WeightOnlyLinear.skeleton`)."""
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.register_buffer("qweight", _placeholder())
+        m.register_buffer("scales", _placeholder())
+        m.dtype = weight.dtype
+        m.num_embeddings, m.embedding_dim = weight.shape
+        return m
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = F.embedding(ids, self.qweight).to(self.dtype)
@@ -470,7 +525,17 @@ def quantize_model(model: nn.Module, scheme: str, *, group: int = INT4_GROUP) ->
     return report
 
 
-def _quantize_in_place(model: nn.Module, scheme: str, group: int) -> QuantReport:
+def quantized_skeleton(model: nn.Module, scheme: str, *, group: int = INT4_GROUP) -> nn.Module:
+    """``model`` (on the meta device) with the modules :func:`quantize_model` would put in
+    it, computing nothing: their tensors are empty meta placeholders, for a saved quantised
+    state to fill (:mod:`hyla.model.prepared`). Which module each layer becomes depends on
+    shapes and on this machine alone, as in :func:`quantize_model`."""
+    _quantize_in_place(model, scheme, group, skeleton=True)
+    return model
+
+
+def _quantize_in_place(model: nn.Module, scheme: str, group: int, *,
+                       skeleton: bool = False) -> QuantReport:
     if scheme not in SCHEMES:
         raise ValueError(f"--quantize: unknown scheme {scheme!r}; choose from {SCHEMES}")
     before = _tensor_bytes(model)
@@ -478,7 +543,7 @@ def _quantize_in_place(model: nn.Module, scheme: str, group: int) -> QuantReport
         return QuantReport(scheme, 0, 0, before, before)
     weights, eight_bit = scheme.removesuffix("-a8"), scheme.endswith("-a8")
     first = next(model.parameters(), None)
-    if first is not None:
+    if first is not None and not skeleton:
         _check_device(scheme, first.device)
     if eight_bit and not vnni_int8_available():
         raise ValueError(f"--quantize {scheme}: 8-bit activations run through fbgemm's int8 "
@@ -494,6 +559,14 @@ def _quantize_in_place(model: nn.Module, scheme: str, group: int) -> QuantReport
             int8_of[id(weight)] = weight, per_row_int8(weight)
         return int8_of[id(weight)][1]
 
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, *,
+              rows: bool = False) -> nn.Module:
+        if skeleton:
+            return cls.skeleton(weight, bias, group)
+        if cls is Int8Linear:
+            return cls(weight, bias, int8_rows(weight) if rows else None)
+        return cls(weight, bias, group)
+
     def make(weight: torch.Tensor, bias: torch.Tensor | None, name: str = "") -> nn.Module:
         # The output layer keeps 8 bits under int4, as llama.cpp's 4-bit files keep it at 6-8
         # bits: each of its errors lands directly on a logit (4 bits there cost SmolLM2 4%
@@ -503,17 +576,18 @@ def _quantize_in_place(model: nn.Module, scheme: str, group: int) -> QuantReport
         fits = int4_fits(weight, group)
         if name == "lm_head":
             if int8_products_available():
-                head = Int8Linear(weight, bias, int8_rows(weight))
+                head = build(Int8Linear, weight, bias, rows=True)
                 head.vnni_min_rows = 1
                 return head
-            return Int8GroupLinear(weight, bias, group) if fits else Int8Linear(weight, bias)
-        if weights == "int4" and fits:
-            return Int4Linear(weight, bias, group)
-        return Int8Linear(weight, bias)
+            return build(Int8GroupLinear if fits else Int8Linear, weight, bias)
+        return build(Int4Linear if weights == "int4" and fits else Int8Linear, weight, bias)
 
+    # on meta tensors torch.cat would import torch._dynamo (seconds): a skeleton needs only
+    # the fused weight's shape
+    concat = _meta_concat if skeleton else torch.cat
     replaced = 0
     for parent in list(model.modules()):
-        replaced += fuse_siblings(parent, make)
+        replaced += fuse_siblings(parent, make, concat)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             # An MoE router stays as it is: it reads its weight directly, in float32, since
@@ -522,7 +596,8 @@ def _quantize_in_place(model: nn.Module, scheme: str, group: int) -> QuantReport
                 setattr(parent, name, make(child.weight, child.bias, name))
                 replaced += 1
             elif isinstance(child, nn.Embedding):
-                setattr(parent, name, Int8Embedding(child.weight, int8_rows(child.weight)))
+                setattr(parent, name, Int8Embedding.skeleton(child.weight) if skeleton else
+                        Int8Embedding(child.weight, int8_rows(child.weight)))
     int4 = sum(isinstance(m, Int4Linear) for m in model.modules())
     if eight_bit:
         for m in model.modules():
