@@ -3,7 +3,9 @@
 ``--rounds`` launches of ``hyla serve --checkpoint SOURCE --threads 1``: seconds to the first
 answer of ``/health`` and to its first 200, the server's resident memory ``SETTLE`` seconds
 later (its quantised layers' copies made, no request served), then ``load_model`` alone in a
-fresh process;
+fresh process. Two cases of this tree: a first start (an empty prepared-weights cache: the
+checkpoint is loaded and quantised, and the entry written) and a next start (the entry read,
+:mod:`hyla.model.prepared`);
 ``--compare REV`` launches that revision's ``hyla`` in alternating rounds. ``--quick``: 1 round.
 """
 
@@ -27,7 +29,17 @@ def add_args(p) -> None:
     p.add_argument("--compare", metavar="REV", help="a git revision to launch beside")
 
 
-def launch(source: str, tree=None) -> dict:
+def launch(source: str, tree=None, cache: str | None = None) -> dict:
+    """One launch; ``cache``: the prepared-weights cache's directory (None: a new empty one)."""
+    with tempfile.TemporaryDirectory() as empty:
+        os.environ["HYLA_WEIGHTS_CACHE"] = cache or empty     # the child's environment
+        try:
+            return _launch(source, tree)
+        finally:
+            del os.environ["HYLA_WEIGHTS_CACHE"]
+
+
+def _launch(source: str, tree=None) -> dict:
     with server(hyla_serve(source), tree) as (proc, _, first, healthy):
         time.sleep(SETTLE)
         status = pathlib.Path(f"/proc/{proc.pid}/status").read_text()
@@ -41,9 +53,14 @@ def launch(source: str, tree=None) -> dict:
 def main(run) -> None:
     a = run.args
     with tempfile.TemporaryDirectory() as tmp:
-        trees = {"this": None} | ({a.compare: revision_tree(a.compare, tmp)} if a.compare else {})
-        runs = run.rounds({k: lambda t=t: launch(a.checkpoint, t) for k, t in trees.items()},
-                          1 if a.quick else None)
+        cache = str(pathlib.Path(tmp) / "prepared")
+        launch(a.checkpoint, cache=cache)                # writes the entry the next starts read
+        cases = {"this, first start": lambda: launch(a.checkpoint),
+                 "this, next start": lambda: launch(a.checkpoint, cache=cache)}
+        if a.compare:
+            tree = revision_tree(a.compare, tmp)
+            cases[a.compare] = lambda: launch(a.checkpoint, tree)
+        runs = run.rounds(cases, 1 if a.quick else None)
     rows = [{"tree": k, **{key: statistics.median(r[key] for r in rs) for key in rs[0]}}
             for k, rs in runs.items()]
     run.table(f"hyla serve --checkpoint {a.checkpoint}: start-up (s), medians", rows)
