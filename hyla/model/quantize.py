@@ -38,7 +38,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +45,16 @@ from torch import nn
 
 from hyla.model.activation_rotation import BlockHadamard
 from hyla.model.fused_projections import fuse_siblings
+from hyla.model.int4_packing import (
+    INT4_GROUP,
+    group_ranges,
+    int4_block_n,
+    int4_dequantized,
+    int4_fits,
+    int4_layout_known,
+    int4_pack,
+    scales_zeros,
+)
 from hyla.model.vnni_int8 import (
     VnniInt8Matmul,
     int8_products_available,
@@ -58,7 +67,6 @@ from hyla.perf import release_freed_memory
 # "-a8": where fbgemm's int8 products run (decode batches), 8-bit rotated activations
 # instead of 16-bit ones (WeightOnlyLinear.activation_bits)
 SCHEMES = ("none", "int8", "int4", "int8-a8", "int4-a8")
-INT4_GROUP = 32
 # torch's packed kernels are matrix-vector products: their time grows with every row. Past a
 # few rows a dense GEMM on the dequantised weight is faster. Where bf16 GEMMs are fast (AMX,
 # AVX512-BF16) the dense weight is kept in bf16 once made, and wins from 8 rows (measured on
@@ -69,11 +77,6 @@ KERNEL_MAX_ROWS = 64
 # torch 2.13's CPU int8 kernel returns garbage (inf, 1e27) unless the input size is a multiple
 # of 16 (found on an MoE's 40-wide shared expert): other sizes take the dense path.
 INT8_KERNEL_K = 16
-# The CPU int4 packing for out_features % 64 == 0: per block of N output rows and per input
-# column, N / 2 bytes whose low nibbles are the block's first N / 2 rows and high nibbles the
-# rest. N is the kernel's vector width: 64 where torch's kernel is built for AVX-512, 32 on
-# AVX2-only CPUs (found on an AMD EPYC without AVX-512: _int4_block_n measures it).
-INT4_BLOCK_N = 64
 
 
 def _placeholder() -> torch.Tensor:
@@ -210,10 +213,10 @@ class WeightOnlyLinear(nn.Module):
         if least <= rows <= KERNEL_MAX_ROWS and int8_products_available() and (
                 eight_bit or not self.eight_bit_only()):
             y = self.vnni_matmul(eight_bit)(flat)
-        elif rows >= DENSE_BF16_MIN_ROWS and _dense_in_bf16() and _int4_layout_known():
+        elif rows >= DENSE_BF16_MIN_ROWS and _dense_in_bf16() and int4_layout_known():
             y = F.linear(flat if flat.dtype is torch.bfloat16 else flat.to(torch.bfloat16),
                          self.dense_bf16())
-        elif rows > KERNEL_MAX_ROWS and _int4_layout_known():
+        elif rows > KERNEL_MAX_ROWS and int4_layout_known():
             y = F.linear(flat, self.dequantized(x.dtype))
         else:
             y = self._kernel(flat if flat.dtype is torch.bfloat16 else flat.to(torch.bfloat16))
@@ -297,72 +300,11 @@ class Int8Linear(WeightOnlyLinear):
         return (self.qweight.float() * self.scales.float()[:, None]).to(dtype)
 
 
-def int4_fits(weight: torch.Tensor, group: int = INT4_GROUP) -> bool:
-    """Whether the CPU int4 kernel takes a weight of this shape ([out, in])."""
-    out_features, in_features = weight.shape
-    return (in_features % group == 0 and in_features >= 2 * group
-            and out_features % INT4_BLOCK_N == 0)
-
-
-def _unpack_int4(packed: torch.Tensor, n: int, k: int, block: int | None = None
-                 ) -> torch.Tensor:
-    """The [n, k] codes of a packed weight (the layout in ``INT4_BLOCK_N``'s comment)."""
-    block = block or _int4_block_n() or INT4_BLOCK_N
-    blocks = packed.view(n // block, k, block // 2)
-    codes = torch.cat([blocks & 15, blocks >> 4], dim=-1)           # [n / block, k, block]
-    return codes.transpose(1, 2).reshape(n, k)
-
-
-@functools.cache
-def _int4_block_n() -> int | None:
-    """The rows a block of torch's CPU int4 packing holds on this CPU, found by unpacking a
-    probe; None when no layout known here fits (then only the kernel reads the codes)."""
-    codes = torch.randint(0, 16, (2 * INT4_BLOCK_N, 2 * INT4_GROUP), dtype=torch.int32,
-                          generator=torch.Generator().manual_seed(0))
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    if packed.shape != (codes.shape[0], codes.shape[1] // 2):
-        return None
-    return next((b for b in (INT4_BLOCK_N, INT4_BLOCK_N // 2) if torch.equal(
-        _unpack_int4(packed, *codes.shape, block=b).to(torch.int32), codes)), None)
-
-
 def machine_layout() -> tuple:
     """What the quantised modules' classes and packed layouts depend on besides shapes: the
     int4 packing's block on this CPU and whether fbgemm's int8 products (and VNNI) run.
     Prepared weights (:mod:`hyla.model.prepared`) are kept per layout."""
-    return _int4_block_n(), int8_products_available(), vnni_int8_available()
-
-
-@checked_once
-def _int4_layout_known() -> bool:
-    # The packing is torch's internal choice: check once that it is one unpacked here, and
-    # otherwise keep to the kernel (slower for prefill, never wrong).
-    return _int4_block_n() is not None
-
-
-def _group_ranges(weight: torch.Tensor, group: int):
-    """A weight [n, k] as float groups [n, k / group, group] and each group's min and max."""
-    w = weight.detach().float()
-    n, k = w.shape
-    groups = w.view(n, k // group, group)
-    return groups, groups.amin(-1), groups.amax(-1)
-
-
-def _int4_pack(codes: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-
-
-def _scales_zeros(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """[n, groups] scales and zeros as the int4 kernel takes them: [groups, n, 2] bf16."""
-    return torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
-
-
-def _int4_dequantized(packed: torch.Tensor, scales_zeros: torch.Tensor, n: int, k: int,
-                      g: int) -> torch.Tensor:
-    """What the int4 kernel multiplies by: ``(code - 8) * scale + zero``, [n, k] float32."""
-    codes = _unpack_int4(packed, n, k).float().view(n, k // g, g) - 8
-    scale, zero = scales_zeros.float().transpose(0, 1).unbind(-1)          # [n, k / g]
-    return (codes * scale[..., None] + zero[..., None]).view(n, k)
+    return int4_block_n(), int8_products_available(), vnni_int8_available()
 
 
 class Int4Linear(WeightOnlyLinear):
@@ -373,15 +315,15 @@ class Int4Linear(WeightOnlyLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = INT4_GROUP):
         super().__init__()
-        groups, lo, hi = _group_ranges(weight, group)
+        groups, lo, hi = group_ranges(weight, group)
         n, k = weight.shape
         # The kernel takes bf16 scales and zeros: round them first and choose the codes
         # against the rounded values, or the rounding of the zero alone costs a step.
         scale = ((hi - lo) / 15).clamp(min=1e-12).to(torch.bfloat16).float()
         zero = (lo + 8 * scale).to(torch.bfloat16).float()   # the kernel centres codes on 8
         codes = (groups - zero[..., None]).div_(scale[..., None]).add_(8).round_().clamp_(0, 15)
-        self.register_buffer("packed", _int4_pack(codes.view(n, k)))
-        self.register_buffer("scales_zeros", _scales_zeros(scale, zero))   # [k / group, n, 2]
+        self.register_buffer("packed", int4_pack(codes.view(n, k)))
+        self.register_buffer("scales_zeros", scales_zeros(scale, zero))   # [k / group, n, 2]
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.in_features, self.out_features, self.group = k, n, group
 
@@ -390,7 +332,7 @@ class Int4Linear(WeightOnlyLinear):
                                                            self.scales_zeros)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return _int4_dequantized(self.packed, self.scales_zeros, self.out_features,
+        return int4_dequantized(self.packed, self.scales_zeros, self.out_features,
                                  self.in_features, self.group).to(dtype)
 
 
@@ -402,12 +344,12 @@ class Int8GroupLinear(WeightOnlyLinear):
     the two measure about the same), at 8 bits per weight and a finer grid than one scale
     per row."""
 
-    BUFFERS = ("high", "low", "high_scales_zeros", "low_scales_zeros")
+    BUFFERS = ("high", "low", "highscales_zeros", "lowscales_zeros")
     grouped = True
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = INT4_GROUP):
         super().__init__()
-        groups, lo, hi = _group_ranges(weight, group)
+        groups, lo, hi = group_ranges(weight, group)
         n, k = weight.shape
         # 253 steps over the range, not 255, and the scale rounded up: the bf16 rounding of
         # the scale (over 255 steps) and of the zero must not push a weight off the grid
@@ -418,22 +360,22 @@ class Int8GroupLinear(WeightOnlyLinear):
         zero = (lo + 135 * scale).to(torch.bfloat16).float()
         codes = (groups - (zero - 136 * scale)[..., None]).div_(scale[..., None]).round_()
         codes = codes.clamp_(0, 255).view(n, k).to(torch.int32)
-        self.register_buffer("high", _int4_pack(codes >> 4))
-        self.register_buffer("low", _int4_pack(codes & 15))
-        self.register_buffer("high_scales_zeros", _scales_zeros(16 * scale, zero))
-        self.register_buffer("low_scales_zeros", _scales_zeros(scale, torch.zeros_like(zero)))
+        self.register_buffer("high", int4_pack(codes >> 4))
+        self.register_buffer("low", int4_pack(codes & 15))
+        self.register_buffer("highscales_zeros", scales_zeros(16 * scale, zero))
+        self.register_buffer("lowscales_zeros", scales_zeros(scale, torch.zeros_like(zero)))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.in_features, self.out_features, self.group = k, n, group
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-        return (mm(x, self.high, self.group, self.high_scales_zeros)
-                + mm(x, self.low, self.group, self.low_scales_zeros))
+        return (mm(x, self.high, self.group, self.highscales_zeros)
+                + mm(x, self.low, self.group, self.lowscales_zeros))
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         shape = self.out_features, self.in_features, self.group
-        return (_int4_dequantized(self.high, self.high_scales_zeros, *shape)
-                + _int4_dequantized(self.low, self.low_scales_zeros, *shape)).to(dtype)
+        return (int4_dequantized(self.high, self.highscales_zeros, *shape)
+                + int4_dequantized(self.low, self.lowscales_zeros, *shape)).to(dtype)
 
 
 class Int8Embedding(nn.Module):
@@ -482,7 +424,7 @@ def prepare_copies(model: nn.Module) -> int:
     pays for them: about a second for SmolLM2-135M, which a server spends after it is ready
     rather than on some client's first long prompt. Returns how many layers it prepared."""
     # the checks forward makes, answered now: a compiled step then sees constants
-    int8_products_available(), fbgemm_min_rows(), _dense_in_bf16(), _int4_layout_known()
+    int8_products_available(), fbgemm_min_rows(), _dense_in_bf16(), int4_layout_known()
     layers = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
     output = getattr(model, "lm_head", None)
     for m in layers:
@@ -495,7 +437,7 @@ def prepare_copies(model: nn.Module) -> int:
                 m.vnni_matmul(eight_bit=True)
         # not the output layer's: a prompt needs its logits at the last row alone (scored
         # prompts make it on first use); SmolLM2's cost 57 MB
-        if _dense_in_bf16() and _int4_layout_known() and m is not output:
+        if _dense_in_bf16() and int4_layout_known() and m is not output:
             m.dense_bf16()
     release_freed_memory()        # codes the packed copies replaced (Int8Linear.vnni_matmul)
     return len(layers)

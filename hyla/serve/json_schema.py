@@ -1,7 +1,7 @@
 """The checks and the one rewrite hyla makes to a JSON schema before its grammar is built.
 
-- :func:`parse_schema`: the text must hold a JSON object, not nested past Python's
-  recursion limit, that some finite value can satisfy;
+- :func:`parse_schema`: the text must hold a JSON object, at most ``MAX_SCHEMA_DEPTH`` deep,
+  that some finite value can satisfy;
 - :func:`has_finite_instance`: no ``$ref`` cycle that every value must go round;
 - :func:`closed`: objects that name their properties take no others unless they say so.
 Pure Python.
@@ -12,6 +12,10 @@ from __future__ import annotations
 import json
 
 MAX_SCHEMA_NODES = 20_000
+# Deeper than any schema people write; checked on the parsed value, because whether
+# json.loads itself gives up (RecursionError) depends on the stack it runs on and on the
+# recursion limit other libraries set (torch raises it).
+MAX_SCHEMA_DEPTH = 100
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 
 
@@ -24,6 +28,9 @@ def parse_schema(text: str) -> dict:
         raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
     except RecursionError:
         raise ValueError("the JSON schema is nested too deeply") from None
+    if nesting_depth(schema) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"the JSON schema is nested too deeply (more than {MAX_SCHEMA_DEPTH} "
+                         "levels)")
     if not isinstance(schema, dict):
         raise ValueError(f"the JSON schema must be a JSON object, got {type(schema).__name__}")
     try:
@@ -34,6 +41,24 @@ def parse_schema(text: str) -> dict:
         raise ValueError("the JSON schema is recursive without a base case: every value it "
                          "allows contains itself, so no finite JSON can satisfy it")
     return schema
+
+
+def nesting_depth(value) -> int:
+    """How many lists and objects deep ``value`` goes, without recursion.
+
+    Example:
+        >>> nesting_depth({"a": [1, {"b": []}]}), nesting_depth(3)
+        (4, 0)
+    """
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(
+            node, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def closed(schema):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hyla.model import HylaLM, preset
+from hyla.model.int4_packing import int4_fits, int4_layout_known
 from hyla.model.quantize import (
     KERNEL_MAX_ROWS,
     Int4Linear,
@@ -11,8 +12,6 @@ from hyla.model.quantize import (
     Int8Linear,
     WeightOnlyLinear,
     _dense_in_bf16,
-    _int4_layout_known,
-    int4_fits,
     prepare_copies,
     quantize_model,
 )
@@ -63,7 +62,7 @@ def test_prefill_rows_take_the_dense_path_with_the_same_weights(cls):
 
 
 def test_the_int4_packing_is_the_one_unpacked():
-    assert _int4_layout_known()
+    assert int4_layout_known()
 
 
 def test_int4_falls_back_to_int8_where_the_kernel_cannot():
@@ -144,7 +143,7 @@ def test_prepare_copies_makes_ahead_what_first_use_would_make():
     before = lazy(ids), lazy(ids[:, :5])            # copies made on first use
     layers = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
     assert prepare_copies(model) == len(layers)    # the same, made ahead
-    dense = _dense_in_bf16() and _int4_layout_known()
+    dense = _dense_in_bf16() and int4_layout_known()
     # not the output layer's: prompts need its logits at their last rows alone
     assert all(("_dense_bf16" in m.__dict__) == (dense and m is not model.lm_head)
                for m in layers)
