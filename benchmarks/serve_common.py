@@ -81,10 +81,12 @@ def engine(model, tokenizer=None, **config) -> Engine:
     return Engine(model, tokenizer, EngineConfig(**config))
 
 
-def decode_rate(eng: Engine, prompt: list[int], tokens: int) -> tuple[float, float]:
-    """Decode tok/s of one greedy request (the tokens after its first), by wall time and by
-    this thread's CPU time (with one torch thread, the work itself: steadier under load)."""
-    eng.add_request(prompt, greedy(tokens))
+def decode_rate(eng: Engine, prompt: list[int], tokens: int,
+                params: SamplingParams | None = None) -> tuple[float, float]:
+    """Decode tok/s of one request (default: greedy, ``tokens`` of them whatever the model
+    says; the tokens after its first), by wall time and by this thread's CPU time (with one
+    torch thread, the work itself: steadier under load)."""
+    eng.add_request(prompt, params or greedy(tokens))
     first, n = None, 0
     while eng.has_unfinished():
         for o in eng.step():

@@ -5,7 +5,9 @@ one greedy request at a time, ``--tokens`` tokens each. Repetitive: the chat mod
 rewrite a given Python function with one change (it copies most of it). Not repetitive: asked
 to write a short story. Plain decoding against ``--speculative ngram`` with ``--k`` drafts,
 in alternating rounds, decode tok/s after the first token (medians), the share of drafts
-accepted, and whether the tokens are the plain run's (with quantised weights the verify
+accepted, and whether the tokens are the plain run's. A request ends at the model's end of
+turn, as a user's would (SmolLM2 copies the function's first half, then ends): past it,
+``ignore_eos`` measured made-up chat turns, not the task (with quantised weights the verify
 pass's products round differently from one-row decode, so an exact tie of the top two
 logits may go the other way; ``--quantize none`` shows the float model's tokens equal).
 The same for ``hyla generate``'s and ``hyla chat``'s loop (``stream_tokens`` over a
@@ -19,8 +21,10 @@ import statistics
 
 import torch
 
-from benchmarks.serve_common import decode_rate, engine, greedy, served_smollm2
+from benchmarks.serve_common import decode_rate, engine, served_smollm2
+from hyla.data.tokenizer import stop_ids
 from hyla.model.stream import StreamTiming, stream_tokens
+from hyla.serve.sequence import SamplingParams
 from hyla.serve.session import RunnerState
 from hyla.serve.speculative import NgramDrafter
 
@@ -48,13 +52,18 @@ def add_args(p) -> None:
     p.add_argument("--tokens", type=int, default=112, help="tokens a request (%(default)s: "
                    "about the edited function's length)")
     p.add_argument("--k", type=int, default=4, help="drafts a step (%(default)s)")
+    p.add_argument("--compile", action="store_true", help="the engines decode through "
+                   "torch.compile, as `hyla serve` does by default (the drafts are then "
+                   "verified as a compiled decode batch where the model has no fixed-size "
+                   "state)")
 
 
-def stream_rate(model, prompt: list[int], tokens: int, k: int | None):
+def stream_rate(model, prompt: list[int], tokens: int, k: int | None, stop: tuple[int, ...]):
     """Decode tok/s of ``hyla generate``'s loop, and its tokens (``k``: with n-gram drafts)."""
     timing = StreamTiming()
     out = list(stream_tokens(model, RunnerState(model), prompt, tokens, temperature=0,
-                             timing=timing, drafter=NgramDrafter(k) if k else None))
+                             stop_ids=stop, timing=timing,
+                             drafter=NgramDrafter(k) if k else None))
     return timing.decode_tok_s, out
 
 
@@ -63,20 +72,26 @@ def main(run) -> None:
     torch.set_num_threads(a.threads or 1)
     tokens = 48 if a.quick else a.tokens
     model, tok, scheme, _ = served_smollm2(a.quantize)
-    engines = {"plain": engine(model, tok, max_num_seqs=1, max_model_len=1024),
-               "ngram": engine(model, tok, max_num_seqs=1, max_model_len=1024,
-                               speculative="ngram", num_speculative_tokens=a.k)}
+    # max_num_seqs 8: the decode widths (1, 2, 4, 8) a compiled verify of k + 1 tokens takes
+    common = dict(max_num_seqs=8, max_model_len=1024, compile=a.compile)
+    engines = {"plain": engine(model, tok, **common),
+               "ngram": engine(model, tok, **common, speculative="ngram",
+                               num_speculative_tokens=a.k)}
+    for eng in engines.values():
+        eng.warmup()
+    params = SamplingParams(max_tokens=tokens, temperature=0)
+    stop = stop_ids(tok)
     rows = []
     for task, text in TASKS.items():
         prompt = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
         outs = {}
         for name, eng in engines.items():
-            (seq,) = eng.generate([prompt], greedy(tokens))      # warm-up; the tokens
+            (seq,) = eng.generate([prompt], params)      # warm-up; the tokens
             outs[name] = seq.output_ids
         before = dict(engines["ngram"].stats)
-        rates = run.rounds({name: lambda e=eng, p=prompt: decode_rate(e, p, tokens)
+        rates = run.rounds({name: lambda e=eng, p=prompt: decode_rate(e, p, tokens, params)
                             for name, eng in engines.items()}, 1 if a.quick else None)
-        streamed = run.rounds({name: lambda p=prompt, k=k: stream_rate(model, p, tokens, k)
+        streamed = run.rounds({name: lambda p=prompt, k=k: stream_rate(model, p, tokens, k, stop)
                                for name, k in (("plain", None), ("ngram", a.k))},
                               1 if a.quick else None)
         st = engines["ngram"].stats
@@ -94,8 +109,10 @@ def main(run) -> None:
         rows[-1]["generate_speedup"] = (rows[-1]["generate_ngram_tok_s"]
                                         / rows[-1]["generate_plain_tok_s"])
         run.progress(f"{task}: {tok.decode(outs['ngram'])[:120]!r}")
-    run.table(f"one greedy request, {tokens} tokens, k = {a.k}, {scheme}", rows)
-    run.save(rows, name="speculative_decode" + "_quick" * a.quick, scheme=scheme, k=a.k,
+    run.table(f"one greedy request, {tokens} tokens, k = {a.k}, {scheme}"
+              + ", compiled" * a.compile, rows)
+    run.save(rows, name="speculative_decode" + "_compiled" * a.compile + "_quick" * a.quick,
+             scheme=scheme, k=a.k, compile=a.compile,
              tokens=tokens, summary="; ".join(
                  f"{r['task']}: {r['speedup']:.2f}x ({r['ngram_tok_s']:.1f} vs "
                  f"{r['plain_tok_s']:.1f} tok/s), {r['accepted']:.0%} of drafts accepted, "

@@ -103,6 +103,19 @@ def test_quantised_layers_compile_without_graph_breaks(model):
     torch.testing.assert_close(got, eager, rtol=0.02, atol=0.02)
 
 
+def test_compiled_runners_make_the_quantised_copies_before_tracing(model):
+    """No prepare_copies by the caller, two compiled runners on one model: each graph names
+    fbgemm weights that still exist (a copy first made inside a trace was dropped after it,
+    and the second runner's graph failed with a KeyError)."""
+    q = copy.deepcopy(model)
+    quantize_model(q, "int4-a8")
+    got = [_run(Runner(q, max_num_seqs=2, num_kv_blocks=10, compile=True), steps=3)
+           for _ in range(2)]        # compiled first: no eager call made the copies
+    eager = _run(Runner(q, max_num_seqs=2, num_kv_blocks=10), steps=3)
+    for g in got:
+        torch.testing.assert_close(g, eager, rtol=0.05, atol=0.05)
+
+
 def test_a_width_runs_eagerly_until_a_background_warm_up_builds_it(model):
     want = _run(Runner(model, max_num_seqs=2, num_kv_blocks=10))
     runner = Runner(model, max_num_seqs=2, num_kv_blocks=10, compile=True,

@@ -161,6 +161,46 @@ def test_drafts_that_keep_failing_back_off():
     assert gaps[:5] == [2, 3, 5, 9, 17]          # a step, then waits of 1, 2, 4, 8, 16
 
 
+def test_draft_counts_grow_while_kept_and_fall_back_to_one():
+    """1 draft, then 3, then k while every draft is kept; back to 1 after a step that keeps
+    none (after its back-off)."""
+    from hyla.serve.speculative import NgramDrafter
+
+    d, tokens = NgramDrafter(4), list(range(20)) * 2
+    sizes = []
+    for kept in (True, True, True, False, None):
+        drafts = d.draft(tokens, room=10)
+        sizes.append(len(drafts))
+        if kept is not None:
+            d.feedback(len(drafts) if kept else 0, len(drafts))
+    assert sizes == [1, 3, 4, 4, 0] and d.draft(tokens, room=10) == [0]
+
+
+@pytest.mark.parametrize("layers", ["AA", "GA"])
+def test_compiled_engines_verify_drafts_as_a_decode_batch(monkeypatch, layers):
+    """Compiled, a model without fixed-size state verifies its drafts as one of the built
+    decode widths (the one sequence's rows at consecutive positions: no new graph, no eager
+    prefill pass); one with a GLA state verifies them as a prefill chunk. Both keep the
+    greedy output, and drafts are cut to fill a width (4 of them would need width 8: 3)."""
+    model = _model(layers)
+    prompts = [_repetitive(s) for s in range(2)]
+    oracle_drafts(monkeypatch, model, prompts)
+    eng = Engine(model, ByteTokenizer(), EngineConfig(
+        max_model_len=128, max_num_seqs=4, compile=True, speculative="ngram"))
+    built = eng.warmup()
+    batches = []
+    decode = eng.runner._decode
+    monkeypatch.setattr(eng.runner, "_decode", lambda slots, *a: (
+        batches.append(list(slots)), decode(slots, *a))[1])
+    for p in prompts:
+        (seq,) = eng.generate([p], GREEDY)
+        assert seq.output_ids == generate(model, p, 40, temperature=0)
+    assert eng.runner.num_compilations == built and eng.stats["accepted_tokens"] > 0
+    verified = [b for b in batches if len(b) > 1]
+    assert bool(verified) == (layers == "AA")
+    assert all(len(set(b)) == 1 and len(b) in (2, 4) for b in verified)
+
+
 def test_bad_settings_are_refused_naming_the_flag():
     model = _model("GGGA")
     with pytest.raises(ValueError, match="--speculative: expected one of"):
