@@ -121,7 +121,7 @@ class NgramSpeculator:
                    engine.scheduler.config.max_model_len - n - 1)
         drafts = drafter.draft(seq.all_token_ids, room)
         widths = engine.scheduler.config.decode_widths
-        if r.fixed_shapes and not r.fixed_state:
+        if r.verifies_as_batch:
             # verified as a decode batch (Runner.verify): a width costs the same whatever
             # share of its rows is real, and a wider one more, so keep what fills one
             fill = max((w for w in widths if w <= len(drafts) + 1), default=1)

@@ -176,17 +176,23 @@ def test_draft_counts_grow_while_kept_and_fall_back_to_one():
     assert sizes == [1, 3, 4, 4, 0] and d.draft(tokens, room=10) == [0]
 
 
-@pytest.mark.parametrize("layers", ["AA", "GA"])
-def test_compiled_engines_verify_drafts_as_a_decode_batch(monkeypatch, layers):
-    """Compiled, a model without fixed-size state verifies its drafts as one of the built
-    decode widths (the one sequence's rows at consecutive positions: no new graph, no eager
-    prefill pass); one with a GLA state verifies them as a prefill chunk. Both keep the
-    greedy output, and drafts are cut to fill a width (4 of them would need width 8: 3)."""
+@pytest.mark.parametrize("layers, scheme", [("AA", None), ("GA", None), ("AA", "int8")])
+def test_compiled_engines_verify_drafts_as_a_decode_batch(monkeypatch, layers, scheme):
+    """Compiled, a float model without fixed-size state verifies its drafts as one of the
+    built decode widths (the one sequence's rows at consecutive positions: no new graph, no
+    eager prefill pass), drafts cut to fill a width (4 of them would need width 8: 3). One
+    with a GLA state, or quantised (a batch's products are not one row's), verifies them as
+    a prefill chunk. All keep the plain output."""
+    from hyla.model.quantize import quantize_model
+
     model = _model(layers)
+    if scheme:
+        quantize_model(model, scheme)
     prompts = [_repetitive(s) for s in range(2)]
     oracle_drafts(monkeypatch, model, prompts)
-    eng = Engine(model, ByteTokenizer(), EngineConfig(
-        max_model_len=128, max_num_seqs=4, compile=True, speculative="ngram"))
+    config = EngineConfig(max_model_len=128, max_num_seqs=4, compile=True)
+    plain = Engine(model, ByteTokenizer(), config)
+    eng = Engine(model, ByteTokenizer(), dataclasses.replace(config, speculative="ngram"))
     built = eng.warmup()
     batches = []
     decode = eng.runner._decode
@@ -194,10 +200,12 @@ def test_compiled_engines_verify_drafts_as_a_decode_batch(monkeypatch, layers):
         batches.append(list(slots)), decode(slots, *a))[1])
     for p in prompts:
         (seq,) = eng.generate([p], GREEDY)
-        assert seq.output_ids == generate(model, p, 40, temperature=0)
+        assert seq.output_ids == plain.generate([p], GREEDY)[0].output_ids
+        if scheme is None:
+            assert seq.output_ids == generate(model, p, 40, temperature=0)
     assert eng.runner.num_compilations == built and eng.stats["accepted_tokens"] > 0
     verified = [b for b in batches if len(b) > 1]
-    assert bool(verified) == (layers == "AA")
+    assert bool(verified) == (layers == "AA" and scheme is None)
     assert all(len(set(b)) == 1 and len(b) in (2, 4) for b in verified)
 
 
