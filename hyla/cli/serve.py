@@ -260,7 +260,8 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
                           max_connections=args.max_connections)
     ready = threading.Event()       # /health says "starting" and requests wait until set
     app = create_app(async_engine, model_name=name, api_key=key, body_timeout=limits.body_timeout,
-                     max_body_bytes=args.max_body_bytes, ready=ready)
+                     max_body_bytes=args.max_body_bytes, ready=ready,
+                     aliases=short_names(args.checkpoint))
     base = f"http://{args.host}:{args.port}"
     out.print(f"Serving [bold]{name}[/] on {base}/v1 (max {args.max_num_seqs} sequences, "
               f"context {args.max_model_len}, {'compiled' if args.compile else 'eager'} "
@@ -280,6 +281,20 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
         out.print(f"[red]the engine failed for good: {dead[0]!r}[/]")
         return 1
     return 0
+
+
+def short_names(checkpoint) -> tuple[str, ...]:
+    """The packaged-model name the checkpoint was given by (``smollm2``), which requests may
+    use beside the served name (``smollm2-135m-instruct``); none for a path.
+
+    Example:
+        >>> short_names("smollm2"), short_names("runs/small")
+        (('smollm2',), ())
+    """
+    from hyla.model.names import lookup
+
+    text = str(checkpoint)
+    return (text,) if lookup(text) is not None else ()
 
 
 def load_serving(args: argparse.Namespace, out: Console, clock):

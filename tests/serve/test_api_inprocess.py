@@ -71,6 +71,22 @@ def test_unsupported_fields_are_400(client, body, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
+def test_a_model_may_be_named_by_its_short_name(engine):
+    """`hyla serve --checkpoint smollm2` serves "smollm2-135m-instruct" and answers requests
+    that say "smollm2" too (the name the user gave); any other name is still a 400."""
+    from hyla.cli.serve import short_names
+
+    assert short_names("smollm2") == ("smollm2",) and short_names("runs/x") == ()
+    c = TestClient(create_app(engine, model_name="m-long", aliases=("m",)))
+    body = {"prompt": "a", "max_tokens": 2}
+    assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["m-long", "m"]
+    for name in ("m", "m-long"):
+        r = c.post("/v1/completions", json=body | {"model": name})
+        assert r.status_code == 200 and r.json()["model"] == "m-long", r.text
+    r = c.post("/v1/completions", json=body | {"model": "other"})
+    assert r.status_code == 400 and "'m-long'" in r.json()["error"]["message"]
+
+
 def test_full_queue_is_429(engine):
     limit, engine.max_waiting = engine.max_waiting, 0
     try:

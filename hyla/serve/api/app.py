@@ -245,8 +245,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                health_check: Callable[[], str | None] | None = None,
                body_timeout: float = ServerLimits.body_timeout,
-               ready: threading.Event | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine`` as the model ``model_name``.
+               ready: threading.Event | None = None, aliases: tuple[str, ...] = ()) -> FastAPI:
+    """The FastAPI app serving ``engine`` as the model ``model_name`` (requests may also name
+    it by one of ``aliases``, e.g. the short name it was loaded by).
 
     The caller owns ``engine`` (``engine.shutdown()`` after the server stops). With
     ``api_key`` every route but ``/health`` needs it; bodies over ``max_body_bytes`` are
@@ -287,8 +288,10 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     async def _internal(request: Request, exc: Exception):
         return JSONResponse(error_body(f"internal error: {exc!r}", "server_error"), 500)
 
+    served = (model_name, *(a for a in aliases if a != model_name))
+
     def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
+        if name is not None and name not in served:
             raise APIError(f"The model {name!r} does not exist: this server serves "
                            f"{model_name!r}", param="model", code="model_not_found")
 
@@ -389,9 +392,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model",
+        return {"object": "list", "data": [{"id": name, "object": "model",
                                             "created": created, "owned_by": "hyla",
-                                            "max_model_len": max_len}]}
+                                            "max_model_len": max_len} for name in served]}
 
     @app.get("/health")
     async def health():
