@@ -7,9 +7,7 @@ to write a short story. Plain decoding against ``--speculative ngram`` with ``--
 in alternating rounds, decode tok/s after the first token (medians), the share of drafts
 accepted, and whether the tokens are the plain run's. A request ends at the model's end of
 turn, as a user's would (SmolLM2 copies the function's first half, then ends): past it,
-``ignore_eos`` measured made-up chat turns, not the task (with quantised weights the verify
-pass's products round differently from one-row decode, so an exact tie of the top two
-logits may go the other way; ``--quantize none`` shows the float model's tokens equal).
+``ignore_eos`` measured made-up chat turns, not the task.
 The same for ``hyla generate``'s and ``hyla chat``'s loop (``stream_tokens`` over a
 ``RunnerState``, ``--speculative ngram``): the ``generate_*`` columns.
 ``--quick``: 48 tokens, 1 round.

@@ -77,6 +77,28 @@ KERNEL_MAX_ROWS = 64
 # torch 2.13's CPU int8 kernel returns garbage (inf, 1e27) unless the input size is a multiple
 # of 16 (found on an MoE's 40-wide shared expert): other sizes take the dense path.
 INT8_KERNEL_K = 16
+# Set while one sequence's drafts are verified as a decode batch (one_row_products): each
+# row then takes the products it would take alone, so speculation's greedy tokens are plain
+# decoding's. A list, so that the flag is read (and guarded by torch.compile) as a value.
+_ONE_ROW = [False]
+
+
+class one_row_products:
+    """Within it, every row of a quantised layer's input is computed as one row alone would
+    be (torch's int4 kernel in bf16, or fbgemm's 16-bit products where one row takes them:
+    both row for row the same whatever the batch), not by the 8-bit products of a decode
+    batch. Speculative decoding's batched verify (:meth:`hyla.serve.runner.Runner.verify`)
+    runs in it: batch products round differently from one row's, so a greedy choice at a
+    near-tie would depend on the drafts."""
+
+    def __init__(self, on: bool = True):
+        self.on = on
+
+    def __enter__(self):
+        self.before, _ONE_ROW[0] = _ONE_ROW[0], self.on
+
+    def __exit__(self, *exc):
+        _ONE_ROW[0] = self.before
 
 
 def _placeholder() -> torch.Tensor:
@@ -198,7 +220,8 @@ class WeightOnlyLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        rows = flat.shape[0]
+        # the kind of products follows from the rows: as one row's, within one_row_products
+        rows = 1 if _ONE_ROW[0] else flat.shape[0]
         # dtype checks before .to: a no-op conversion still costs a dispatch (~1 us), and a
         # decode step makes hundreds of these calls
         least = self.int8_products_from()

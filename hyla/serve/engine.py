@@ -345,8 +345,12 @@ class Engine:
         if not self.runner.fixed_shapes:
             return 0
         c = self.config
-        return self.runner.warmup(self.scheduler.config.decode_widths,
-                                  -(-c.max_model_len // c.block_size))
+        widths = self.scheduler.config.decode_widths
+        verify_widths = ()
+        if self.speculator is not None:     # the widths k drafts and their token fill
+            verify_widths = tuple(w for w in widths if 1 < w <= c.num_speculative_tokens + 1)
+        return self.runner.warmup(widths, -(-c.max_model_len // c.block_size),
+                                  verify_widths=verify_widths)
 
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:

@@ -121,6 +121,9 @@ class Runner:
         self._decode_fn = self._compiled_decode if compile else self._decode_impl
         self.eager_until_built = eager_until_built
         self.built_widths: set[int] = set()     # widths warmup has compiled (or captured)
+        self.built_verify_widths: set[int] = set()  # and their verify graphs (quantised)
+        # quantised layers verify drafts in their own graphs, one row's products in each row
+        self.quantised = getattr(model, "quantized", None) not in (None, "none")
         self.compile_error: str | None = None   # why building the graphs failed, if it did
         self.num_compilations = 0      # graphs torch.compile built for decode
         self.compile_time_s = 0.0      # wall time of the decode calls that compiled
@@ -133,7 +136,7 @@ class Runner:
 
             self.graphs = DecodeGraphs(self._decode_fn, capture=capture)
 
-    def _compiled_decode(self, *args):
+    def _compiled_decode(self, *args, one_row: bool = False):
         """:meth:`_decode_impl` through ``torch.compile``, set up on first use: importing
         the compiler takes 2-3 s, which a server building its graphs in the background
         spends after it is healthy, not before."""
@@ -160,9 +163,11 @@ class Runner:
             compiled = torch.compile(
                 self._decode_impl, dynamic=False,
                 options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-            key = next(_RUNNER_KEYS)
-            self._compiled_fn = lambda *a: compiled(*a, graph_key=key)
-        return self._compiled_fn(*args)
+            # a verify in one-row products (one_row_products) is its own graph
+            key = 2 * next(_RUNNER_KEYS)
+            self._compiled_fn = lambda *a, one_row=False: compiled(
+                *a, graph_key=key + one_row)
+        return self._compiled_fn(*args, one_row=one_row)
 
     @property
     def fixed_shapes(self) -> bool:
@@ -253,10 +258,10 @@ class Runner:
         decode batch of the one sequence at consecutive positions instead (SmolLM2 in
         float, 4 tokens: 75.6 ms at width 4 against 90.8 ms eager; Xeon, one thread)."""
         width = next((w for w in widths if w >= len(tokens)), None)
-        if width is not None and self.verifies_as_batch and self.runs_graph(width):
+        if width is not None and self.verifies_as_batch and self.verify_graph_built(width):
             n = len(tokens)
             return self._decode([slot] * n, tokens, list(range(start, start + n)),
-                                [block_table] * n, width, True)
+                                [block_table] * n, width, True, one_row=self.quantised)
         ids = torch.tensor(tokens, device=self.device)
         ctx = Context.prefill([start], [len(tokens)], [slot], [block_table], self.buffers,
                               block_size=self.block_size, pad_block=self.pad_block,
@@ -270,10 +275,18 @@ class Runner:
         row sees the ones before it; a fixed-size state (GLA, a conv window, a ring: one slot,
         many rows) could not. Quantised layers take other products for a batch than for one
         row (fbgemm's, 8-bit activations with "-a8"), so a greedy choice at a near-tie would
-        depend on the drafts (found: a repeated request's answer changed), and they verify as
-        a prefill chunk, whose rows are computed as one row's are."""
-        return (self.fixed_shapes and not any(spec.fixed for spec in self.specs)
-                and getattr(self.model, "quantized", None) in (None, "none"))
+        depend on the drafts (found: a repeated request's answer changed): their verify
+        batches run in one row's products (:class:`hyla.model.quantize.one_row_products`),
+        graphs of their own."""
+        return self.fixed_shapes and not any(spec.fixed for spec in self.specs)
+
+    def verify_graph_built(self, width: int) -> bool:
+        """Whether a verify batch of ``width`` runs a graph now (a quantised model's verify
+        graphs are built by :meth:`warmup`'s ``verify_widths``, or on first use)."""
+        if not self.quantised:
+            return self.runs_graph(width)
+        return self.compiled and (not self.eager_until_built
+                                  or width in self.built_verify_widths)
 
     def extract(self, slot: int, num_tokens: int, block_table: list[int]) -> SequenceState:
         """A standalone SequenceState (copies) of what a slot and its blocks hold."""
@@ -397,7 +410,8 @@ class Runner:
                             self.runs_graph(width))
 
     @torch.inference_mode()   # cheaper than no_grad a call: no version counters
-    def _decode(self, slots, tokens, positions, block_tables, width: int, fixed: bool):
+    def _decode(self, slots, tokens, positions, block_tables, width: int, fixed: bool,
+                one_row: bool = False):
         B = len(slots)
         if not 1 <= B <= width:
             raise ValueError(f"decode batch of {B} does not fit width {width}")
@@ -441,19 +455,27 @@ class Runner:
                 # the rows in place, so every context length runs the same graph (sizes 0
                 # and 1 are always specialised, hence tables of at least two blocks)
                 torch._dynamo.mark_dynamic(args[3], 1)
-            logits = self._decode_fn(*args)[:B]
+            if one_row:
+                from hyla.model.quantize import one_row_products
+
+                with one_row_products():
+                    logits = self._decode_fn(*args, one_row=True)[:B]
+            else:
+                logits = self._decode_fn(*args)[:B]
         built = counters["stats"]["unique_graphs"] - before
         if built:
             self.num_compilations += built
             self.compile_time_s += time.perf_counter() - t0
         return logits
 
-    def warmup(self, widths: tuple[int, ...], max_blocks: int = 0) -> int:
+    def warmup(self, widths: tuple[int, ...], max_blocks: int = 0,
+               verify_widths: tuple[int, ...] = ()) -> int:
         """Build every decode graph up front: each width (captured as CUDA graphs, x each
         power-of-two block-table length up to ``max_blocks``; compiled graphs serve every
         length, so one call a width builds them, or two where ``max_blocks`` reaches past
-        ``FUSED_MAX_ROWS``). Writes only to the padding slot and
-        block. Returns the number of graphs compiled."""
+        ``FUSED_MAX_ROWS``), then a quantised model's verify graphs of ``verify_widths``
+        (speculative decoding's). Writes only to the padding slot and block. Returns the
+        number of graphs compiled."""
         before = self.num_compilations
         nbs = [0]
         if self.has_growing and self.graphs is None:
@@ -469,6 +491,12 @@ class Runner:
             for nb in nbs:
                 self._decode([self.pad_slot], [0], [0], [[self.pad_block] * nb], w, True)
             self.built_widths.add(w)
+        if self.compiled and self.quantised and self.verifies_as_batch:
+            for w in verify_widths:
+                for nb in nbs:
+                    self._decode([self.pad_slot], [0], [0], [[self.pad_block] * nb], w,
+                                 True, one_row=True)
+                self.built_verify_widths.add(w)
         return self.num_compilations - before
 
     def _decode_impl(self, tokens, slots, positions, tables, span: slice | None = None,

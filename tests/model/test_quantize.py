@@ -12,6 +12,7 @@ from hyla.model.quantize import (
     Int8Linear,
     WeightOnlyLinear,
     _dense_in_bf16,
+    one_row_products,
     prepare_copies,
     quantize_model,
 )
@@ -184,3 +185,28 @@ def test_a_tied_output_layer_and_embedding_share_their_int8_codes():
         assert model.lm_head.qweight.data_ptr() == model.embed.qweight.data_ptr()
     ids = torch.randint(0, 256, (1, 6))
     assert torch.isfinite(model(ids)).all()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "int4-a8", "int8-a8"])
+def test_one_row_products_compute_each_row_of_a_batch_as_it_alone(scheme):
+    """Speculation's batched verify: within one_row_products, every row of a decode batch
+    ([B, 1, in], which otherwise takes fbgemm's batch products, 8-bit with "-a8") is bitwise
+    what that row gives alone, for every quantised layer (and the whole model), at the
+    widths a verify takes; the flag is off again after the block."""
+    torch.manual_seed(0)
+    model = HylaLM(preset("debug")).eval()
+    quantize_model(model, scheme)
+    layers = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
+    assert layers
+    for width in (2, 4, 8, 16):
+        for m in layers:
+            x = torch.randn(width, 1, m.in_features)
+            alone = torch.cat([m(x[i:i + 1]) for i in range(width)])
+            with one_row_products():
+                assert torch.equal(m(x), alone), (type(m).__name__, width)
+    ids = torch.randint(0, 256, (8, 1))
+    alone = torch.cat([model(ids[i:i + 1]) for i in range(8)])
+    with one_row_products():
+        assert torch.equal(model(ids), alone)
+    if vnni_int8_available() and scheme.endswith("-a8"):   # the batch's own products
+        assert not torch.equal(model(ids), alone)

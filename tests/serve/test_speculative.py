@@ -176,13 +176,14 @@ def test_draft_counts_grow_while_kept_and_fall_back_to_one():
     assert sizes == [1, 3, 4, 4, 0] and d.draft(tokens, room=10) == [0]
 
 
-@pytest.mark.parametrize("layers, scheme", [("AA", None), ("GA", None), ("AA", "int8")])
+@pytest.mark.parametrize("layers, scheme", [("AA", None), ("GA", None), ("AA", "int8"),
+                                           ("AA", "int4-a8")])
 def test_compiled_engines_verify_drafts_as_a_decode_batch(monkeypatch, layers, scheme):
-    """Compiled, a float model without fixed-size state verifies its drafts as one of the
-    built decode widths (the one sequence's rows at consecutive positions: no new graph, no
-    eager prefill pass), drafts cut to fill a width (4 of them would need width 8: 3). One
-    with a GLA state, or quantised (a batch's products are not one row's), verifies them as
-    a prefill chunk. All keep the plain output."""
+    """Compiled, a model without fixed-size state verifies its drafts as one of the decode
+    widths (the one sequence's rows at consecutive positions, no eager prefill pass), drafts
+    cut to fill a width (4 of them would need width 8: 3). A float model runs the decode
+    graphs; a quantised one graphs of its own in one row's products, built by warmup. One
+    with a GLA state verifies them as a prefill chunk. All keep the plain output."""
     from hyla.model.quantize import quantize_model
 
     model = _model(layers)
@@ -196,8 +197,8 @@ def test_compiled_engines_verify_drafts_as_a_decode_batch(monkeypatch, layers, s
     built = eng.warmup()
     batches = []
     decode = eng.runner._decode
-    monkeypatch.setattr(eng.runner, "_decode", lambda slots, *a: (
-        batches.append(list(slots)), decode(slots, *a))[1])
+    monkeypatch.setattr(eng.runner, "_decode", lambda slots, *a, **kw: (
+        batches.append(list(slots)), decode(slots, *a, **kw))[1])
     for p in prompts:
         (seq,) = eng.generate([p], GREEDY)
         assert seq.output_ids == plain.generate([p], GREEDY)[0].output_ids
@@ -205,8 +206,9 @@ def test_compiled_engines_verify_drafts_as_a_decode_batch(monkeypatch, layers, s
             assert seq.output_ids == generate(model, p, 40, temperature=0)
     assert eng.runner.num_compilations == built and eng.stats["accepted_tokens"] > 0
     verified = [b for b in batches if len(b) > 1]
-    assert bool(verified) == (layers == "AA" and scheme is None)
+    assert bool(verified) == (layers == "AA")
     assert all(len(set(b)) == 1 and len(b) in (2, 4) for b in verified)
+    assert eng.runner.built_verify_widths == ({2, 4} if scheme else set())
 
 
 def test_bad_settings_are_refused_naming_the_flag():
