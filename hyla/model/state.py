@@ -41,6 +41,11 @@ class SequenceState:
     ``(keys, values)``, each [num_tokens, H_kv, D], for an attention layer. The model updates
     it in place.
 
+    ``start`` > 0: the growing entries hold only the rows from token ``start`` on
+    (``[num_tokens - start, ...]``), for a receiver that holds the first ``start`` tokens'
+    rows already (a cached prefix: :meth:`suffix`); the fixed entries are whole. Such a state
+    is shipped and loaded, not run.
+
     Example:
         >>> from hyla.model.config import preset
         >>> st = SequenceState.empty(preset("debug"))
@@ -51,7 +56,7 @@ class SequenceState:
     """
 
     def __init__(self, kinds: list[str], tensors: list[tuple[torch.Tensor, ...]],
-                 num_tokens: int = 0):
+                 num_tokens: int = 0, start: int = 0):
         if len(kinds) != len(tensors):
             raise ValueError(f"tensors must have one entry per layer ({len(kinds)}), "
                              f"got {len(tensors)}")
@@ -61,9 +66,13 @@ class SequenceState:
                                  f"got {kind!r} with {[type(t).__name__ for t in ts]}")
         if not isinstance(num_tokens, int) or num_tokens < 0:
             raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        if not isinstance(start, int) or not 0 <= start <= num_tokens:
+            raise ValueError(f"start must be an int in [0, num_tokens={num_tokens}], got "
+                             f"{start!r}")
         self.kinds = list(kinds)
         self.tensors = [tuple(ts) for ts in tensors]
         self.num_tokens = int(num_tokens)
+        self.start = int(start)
 
     @classmethod
     def empty(cls, cfg, device=None, dtype: torch.dtype = torch.float32) -> SequenceState:
@@ -84,7 +93,7 @@ class SequenceState:
         for i, (spec, ts) in enumerate(zip(specs, self.tensors, strict=True)):
             if len(ts) != len(spec.entries):
                 return f"layer {i} has {len(ts)} tensors, its spec {list(spec.names)}"
-            want = [e.shape for e in spec.fixed] + [(self.num_tokens, *e.shape)
+            want = [e.shape for e in spec.fixed] + [(self.num_tokens - self.start, *e.shape)
                                                     for e in spec.per_token]
             for e, t, shape in zip(spec.entries, ts, want, strict=True):
                 if tuple(t.shape) != shape or (e.dtype is not None and t.dtype != e.dtype):
@@ -99,6 +108,9 @@ class SequenceState:
         fixed entries ``[B, *shape]`` (a view of the state's own tensor when B == 1, so it
         is updated in place), growing entries one block a sequence ``[B, rows, *shape]``
         with room for ``extra_rows`` more rows. Read them back with :meth:`take_buffers`."""
+        if any(s.start for s in states):
+            raise ValueError("a state without its first rows (start > 0) cannot run: load it "
+                             "where its prefix is cached")
         rows = block_rows or max(s.num_tokens for s in states) + extra_rows
         out = []
         for i, spec in enumerate(specs):
@@ -155,14 +167,40 @@ class SequenceState:
 
     def clone(self) -> SequenceState:
         return SequenceState(self.kinds, [tuple(t.clone() for t in ts) for ts in self.tensors],
-                             self.num_tokens)
+                             self.num_tokens, self.start)
 
     def to(self, device) -> SequenceState:
         return SequenceState(self.kinds, [tuple(t.to(device) for t in ts) for ts in self.tensors],
-                             self.num_tokens)
+                             self.num_tokens, self.start)
+
+    def suffix(self, start: int, specs: list[StateSpec]) -> SequenceState:
+        """This state without the growing entries' rows before token ``start`` (views): what
+        a receiver holding those tokens' rows in a cached prefix needs. ``specs``: the
+        model's (which entries grow).
+
+        Example:
+            >>> from hyla.model.config import preset
+            >>> from hyla.model.state import layer_specs
+            >>> cfg = preset("debug"); specs = layer_specs(cfg)
+            >>> st = SequenceState.empty(cfg)
+            >>> st = SequenceState(st.kinds, [ts[:len(s.fixed)] + tuple(
+            ...     t.new_zeros((10, *t.shape[1:])) for t in ts[len(s.fixed):])
+            ...     for s, ts in zip(specs, st.tensors)], 10)
+            >>> part = st.suffix(8, specs)
+            >>> part.start, part.nbytes < st.nbytes, part.mismatch(specs)
+            (8, True, '')
+        """
+        if not 0 <= start <= self.num_tokens or start < self.start:
+            raise ValueError(f"start must be in [{self.start}, {self.num_tokens}], got {start}")
+        cut = start - self.start
+        # fixed entries first, then the growing ones (spec order)
+        tensors = [ts[:len(spec.fixed)] + tuple(t[cut:] for t in ts[len(spec.fixed):])
+                   for spec, ts in zip(specs, self.tensors, strict=True)]
+        return SequenceState(self.kinds, tensors, self.num_tokens, start)
 
     def __repr__(self) -> str:
-        return (f"SequenceState(num_tokens={self.num_tokens}, "
+        start = f", start={self.start}" if self.start else ""
+        return (f"SequenceState(num_tokens={self.num_tokens}{start}, "
                 f"bytes_by_kind={self.bytes_by_kind()})")
 
     def flatten(self) -> torch.Tensor:
@@ -187,7 +225,8 @@ class SequenceState:
             for t, e in zip(ts, entry["tensors"], strict=True):
                 raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
                 payload[e["offset"]:e["offset"] + raw.numel()] = raw
-        header = json.dumps({"num_tokens": self.num_tokens, "payload_nbytes": offset,
+        header = json.dumps({"num_tokens": self.num_tokens, "start": self.start,
+                             "payload_nbytes": offset,
                              "checksum": _checksum(payload), "layers": layout},
                             separators=(",", ":")).encode()
         prefix = _PREFIX.pack(MAGIC, VERSION, len(header), zlib.crc32(header), 0)
@@ -250,7 +289,7 @@ class SequenceState:
                     ts.append(raw.view(dtype).reshape(e["shape"]).to(device))
                 kinds.append(layer["kind"])
                 tensors.append(tuple(ts))
-            return cls(kinds, tensors, meta["num_tokens"])
+            return cls(kinds, tensors, meta["num_tokens"], meta.get("start", 0))
         except (KeyError, TypeError, ValueError, RuntimeError) as err:
             raise ValueError(f"buffer header has an invalid layout: {err}") from err
 

@@ -137,6 +137,15 @@ class PrefixCache:
             self.snapshots.move_to_end(hashes[best.num_tokens // self.block_size - 1])
         return best
 
+    def kv_blocks(self, token_ids: list[int]) -> list[int] | None:
+        """The cached KV blocks of every full block of ``token_ids`` (a shipped state's
+        prefix: its fixed-size states come with it, so no snapshot is needed), or None
+        unless all are cached."""
+        if self.block_manager is None:
+            return None
+        blocks = [self.kv.get(h) for h in block_hashes(token_ids, self.block_size)]
+        return None if None in blocks else blocks
+
     def record(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted prompt in the hit rate (a match that was not admitted, for
         lack of room, is retried later and must not count twice)."""

@@ -297,13 +297,15 @@ class Runner:
         return SequenceState([s.kind for s in self.specs], tensors, num_tokens)
 
     def load(self, slot: int, state: SequenceState, block_table: list[int]) -> None:
-        """Write a SequenceState (e.g. one shipped from a prefill worker) into a slot."""
+        """Write a SequenceState (e.g. one shipped from a prefill worker) into a slot; one
+        from ``state.start`` on goes after the rows the table's first blocks hold."""
         self.model.check_state(state, "state")
         n = state.num_tokens
         if self.has_growing and len(block_table) * self.block_size < n:
             raise ValueError(f"block_table holds {len(block_table)} blocks: too few for "
                              f"{n} tokens")
-        rows = self._rows(block_table, n)
+        # a state from ``start`` on: the table's first blocks hold the cached prefix's rows
+        rows = self._rows(block_table, n, state.start)
         for spec, layer, ts in zip(self.specs, self.buffers, state.tensors, strict=True):
             for e, t in zip(spec.entries, ts, strict=True):
                 if e in spec.fixed:
@@ -311,9 +313,9 @@ class Runner:
                 else:
                     layer[e.name][rows] = t.to(self.device, layer[e.name].dtype)
 
-    def _rows(self, block_table: list[int], n: int):
-        """Index of the first n rows of a block table into a paged buffer."""
-        pos = torch.arange(n, device=self.device)
+    def _rows(self, block_table: list[int], n: int, start: int = 0):
+        """Index of rows ``start`` to n of a block table into a paged buffer."""
+        pos = torch.arange(start, n, device=self.device)
         table = torch.tensor(block_table, dtype=torch.long, device=self.device)
         return table[pos // self.block_size], pos % self.block_size
 

@@ -154,6 +154,9 @@ class Scheduler:
         self._hashes: dict[str, list[int]] = {}
         self._rolling: dict[str, int] = {}      # request id -> its rolling snapshot's boundary
         self.num_preemptions = 0
+        # states shipped from a cached prefix on (PrfaaS): loaded after it, or (evicted
+        # meanwhile) computed here
+        self.shipped_prefix_hits = self.shipped_prefix_misses = 0
 
     # -- queue -------------------------------------------------------------------------
     @property
@@ -396,9 +399,18 @@ class Scheduler:
             match = self.prefix_cache.match(seq.all_token_ids)
             if match.num_tokens == 0:
                 match = None
+        prefix = None
+        if seq.external_state is not None and seq.external_state.start:
+            prefix = self._shipped_prefix(seq)
+            if prefix is None:      # evicted since the router looked: computed here instead
+                seq.external_state = None
+                seq.num_computed_tokens = 0
+                self.shipped_prefix_misses += 1
+                return self._admit(seq, budget, out)
+            self.shipped_prefix_hits += 1
         start = match.num_tokens if match else seq.num_computed_tokens
         if self.blocks is not None:
-            shared = match.kv_blocks if match else []
+            shared = match.kv_blocks if match else prefix or []
             if seq.external_state is not None:
                 upto = seq.num_tokens
             else:
@@ -422,7 +434,23 @@ class Scheduler:
                 out.restores.append((match.snapshot, seq.slot))
         if seq.external_state is not None:
             out.loads.append(seq)
+            if self.prefix_cache is not None and self.blocks is not None:
+                # the loaded prompt's blocks join the cache (loaded before any step reads
+                # them), so the next turn of its conversation hits here
+                full = seq.num_prompt_tokens // self.config.block_size
+                self.prefix_cache.insert_blocks(self._hashes_of(seq)[:full],
+                                                seq.block_table[:full])
         return True
+
+    def _shipped_prefix(self, seq: Sequence) -> list[int] | None:
+        """The cached KV blocks of the prefix a state shipped from ``start`` on leaves out
+        (None: not all cached, or ``start`` not on a block boundary)."""
+        start = seq.external_state.start
+        if self.blocks is None:
+            return []           # no growing state: nothing was left out
+        if self.prefix_cache is None or start % self.config.block_size:
+            return None
+        return self.prefix_cache.kv_blocks(seq.prompt_ids[:start])
 
     def _cache_prefix(self, seq: Sequence, out: SchedulerOutput) -> None:
         pc = self.prefix_cache

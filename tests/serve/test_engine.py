@@ -261,6 +261,44 @@ def test_prefill_only_hands_over_a_state_that_decodes_like_local(layers):
     assert seq.output_ids == want
 
 
+@pytest.mark.parametrize("layers", ["GGGA", "AA"])
+def test_a_state_shipped_after_a_cached_prefix_decodes_like_local(layers):
+    """PrfaaS: a decode engine whose prefix cache holds a conversation's first turn is sent
+    the next turn's state without that prefix's attention rows (SequenceState.suffix): it
+    loads them after its cached blocks and decodes as a local prefill would. Where the
+    prefix was evicted (another engine), the prompt is computed there instead: the same
+    tokens. Either way the loaded prompt joins the cache."""
+    model = _model(layers)
+    first_turn = _prompts(1, seed=5, lo=40, hi=41)[0]
+    prompt = first_turn + _prompts(1, seed=6, lo=30, hi=31)[0]
+    params = dataclasses.replace(GREEDY, max_tokens=8)
+    want = generate(model, prompt, 8, temperature=0)
+    pre = Engine(model, None, EngineConfig(max_model_len=96))
+    pre.add_request(prompt, params, "p", prefill_only=True)
+    outs = []
+    while pre.has_unfinished():
+        outs += pre.step()
+    (o,) = outs
+    held = 32                                       # two whole blocks of the first turn
+    shipped = type(o.state).unflatten(o.state.suffix(held, model.state_specs).flatten())
+    assert shipped.start == held and shipped.nbytes < o.state.nbytes
+    dec, cold = (Engine(model, None, EngineConfig(max_model_len=96)) for _ in range(2))
+    dec.generate([first_turn], params)              # the first turn, cached
+    for eng in (dec, cold):
+        seq = eng.add_prefilled(prompt, o.token_ids[0], shipped.clone(), params)
+        while eng.has_unfinished():
+            eng.step()
+        assert seq.output_ids == want
+    assert (dec.scheduler.shipped_prefix_hits, dec.scheduler.shipped_prefix_misses) == (1, 0)
+    assert (cold.scheduler.shipped_prefix_hits, cold.scheduler.shipped_prefix_misses) == (0, 1)
+    pc = dec.scheduler.prefix_cache
+    assert pc.kv_blocks(prompt[:len(prompt) // 16 * 16]) is not None   # the whole prompt
+    with pytest.raises(ValueError, match="start"):
+        o.state.suffix(len(prompt) + 1, model.state_specs)
+    with pytest.raises(ValueError, match="cannot run"):
+        model.prefill(torch.tensor(prompt[:4]), shipped.clone())
+
+
 def test_one_token_prompt_starts_from_a_clean_state_slot():
     """A one-token prompt is scheduled as a decode; its slot must not keep the recurrent
     state of the sequence that used it before."""

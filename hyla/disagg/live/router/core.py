@@ -125,7 +125,8 @@ class LiveRouter(RemotePath):
         self.prefix = PrefixIndex(cfg.prefix_chunk_tokens, cfg.prefix_capacity)
         self.counts = {"local": 0, "remote": 0, "remote_ok": 0, "fallback_local": 0,
                        "decode_retries": 0, "failed_mid_stream": 0, "failed": 0,
-                       "cached_local": 0, "cached_tokens": 0, "abandoned": 0, "probes": 0}
+                       "cached_local": 0, "cached_tokens": 0, "abandoned": 0, "probes": 0,
+                       "shipped_after_prefix": 0, "prefix_tokens_not_shipped": 0}
         self.fallback_reasons: dict[str, int] = {}
         self.last_errors: list[str] = []
         self.t0 = time.monotonic()
@@ -277,19 +278,26 @@ class LiveRouter(RemotePath):
             # forced remote (a baseline) queues at the prefill pool instead of falling back
             cap = None if self.cfg.force == "remote" else self.cfg.max_remote_inflight
             p = self._pick(self.prefill, cap=cap)
-            d = self._pick(self.decode, need_transfer=True)
+            # the decode worker holding the longest cached prefix, if any: it is sent the
+            # state without that prefix's rows (its cache has them)
+            d = self._pick(self.decode, need_transfer=True, prefer=cached_on)
             ship = None
             if p is None or d is None:
                 self._fallback("remote pool saturated or down" if p is None
                                else "no decode worker for a shipped state")
             else:
-                ship = self._check_link(p, d, len(ids), decision)
+                held = self.prefix.match(d.url, chain)
+                ship = self._check_link(p, d, len(ids), decision, held)
             if ship is not None:
                 self.counts["remote"] += 1
                 self.counts["probes"] += ship.probe
                 sent = 0
                 try:
-                    async for o in self._remote(p, d, ids, params, rid, ship):
+                    async for o in self._remote(p, d, ids, params, rid, ship, held):
+                        if not sent:            # the decode worker's cache holds it now
+                            self.prefix.insert(d.url, chain)
+                            self.counts["shipped_after_prefix"] += bool(held)
+                            self.counts["prefix_tokens_not_shipped"] += held
                         sent += 1
                         self.counts["remote_ok"] += o.finished
                         yield o

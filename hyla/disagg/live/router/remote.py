@@ -55,11 +55,13 @@ class RemotePath:
     """The remote-path methods of LiveRouter (its ``links``, ``policy``, ``decode``,
     ``http``, ``cfg`` and request helpers)."""
 
-    def _check_link(self, p: Worker, d: Worker, tokens: int, decision) -> Shipment | None:
+    def _check_link(self, p: Worker, d: Worker, tokens: int, decision,
+                    held: int = 0) -> Shipment | None:
         """The policy's cost model on the measured p -> d path: a Shipment if the state
-        goes, None (counted as a fallback) if it stays local."""
+        goes (without the rows of the ``held`` tokens d's cache holds), None (counted as a
+        fallback) if it stays local."""
         link = self.links.link(p.url, d.url)
-        nbytes = self.links.state_bytes(tokens)
+        nbytes = self.links.state_bytes(tokens - held)
         probe = False
         if not isinstance(decision, str):           # forced paths skip the cost model
             loc = [w for w in self.decode if w.healthy]
@@ -76,23 +78,25 @@ class RemotePath:
                                f"{link.rtt_s:.3f} s")
                 return None
             probe = dd.reason == "probe"
-        return self.links.open(p.url, d.url, tokens, probe)
+        # (the state's size is learnt from the tokens whose rows are shipped)
+        return self.links.open(p.url, d.url, tokens - held, probe)
 
-    def _waits(self, p: Worker, ship: Shipment) -> tuple[float, float]:
+    def _waits(self, p: Worker, ship: Shipment, tokens: int) -> tuple[float, float]:
         """(the sender's deadline for the acknowledgement, the decode worker's wait for
-        the state): from the path's estimate, the state's size and the prefill queue, never
-        over ``transfer_timeout_s``."""
+        the state): from the path's estimate, the state's size and the prefill queue of a
+        ``tokens``-token prompt, never over ``transfer_timeout_s``."""
         link = ship.link
         deadline = link.deadline_s(ship.nbytes, self.links.backlog.get(ship.key, 0))
-        prefill_s = p.info.get("queue_s", 0.0) + p.inflight * ship.tokens / self.remote_tps
+        prefill_s = p.info.get("queue_s", 0.0) + p.inflight * tokens / self.remote_tps
         wait = min(self.cfg.transfer_timeout_s, deadline + 2 * prefill_s + 0.25)
         return min(deadline, wait), wait
 
-    async def _remote(self, p: Worker, d: Worker, ids, params, rid, ship: Shipment):
+    async def _remote(self, p: Worker, d: Worker, ids, params, rid, ship: Shipment,
+                      held: int = 0):
         p.inflight += 1
         d.inflight += 1
         resp = prefill = first = None
-        deadline, wait = self._waits(p, ship)
+        deadline, wait = self._waits(p, ship, len(ids))
         t0 = time.monotonic()
         try:
             body = self._body(ids, params, rid, True) | {"transfer_timeout_s": wait}
@@ -101,7 +105,8 @@ class RemotePath:
             prefill = asyncio.ensure_future(self.http.post(
                 f"{p.url}/internal/prefill", timeout=wait + 30,
                 json={"request_id": rid, "prompt_ids": ids, "params": params.as_dict(),
-                      "dest": d.info["transfer_address"], "deadline_s": deadline}))
+                      "dest": d.info["transfer_address"], "deadline_s": deadline,
+                      "prefix_tokens": held}))
             prefill.add_done_callback(lambda t: self._verdict(ship, t, time.monotonic() - t0))
             first = asyncio.ensure_future(anext(lines))
             done, _ = await asyncio.wait({prefill, first}, return_when=asyncio.FIRST_COMPLETED)

@@ -140,6 +140,10 @@ def add_decode_routes(app: FastAPI, engine: AsyncEngine, receiver: StateReceiver
                 "queue_s": load["queued_prompt_tokens"] / tps, **load,
                 "prefill_time_s": s["prefill_time_s"], "decode_time_s": s["decode_time_s"],
                 "engine_stats": dict(s), "transfers": dict(receiver.stats),
+                # states shipped without a cached prefix's rows: loaded after the cached
+                # blocks, or (evicted meanwhile) the prompt computed here
+                "shipped_prefix": {"hits": e.scheduler.shipped_prefix_hits,
+                                   "misses": e.scheduler.shipped_prefix_misses},
                 "engine_restarts": engine.restarts}
         return JSONResponse(body, 200 if problem is None else 503)
 

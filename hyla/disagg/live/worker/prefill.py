@@ -1,7 +1,9 @@
 """The prefill role (``hyla serve --role prefill``): prefill prompts, ship their states.
 
 A prefill worker takes internal requests ``POST /internal/prefill`` with ``{request_id,
-prompt_ids, params, dest}`` (``dest``: the decode worker's transfer address). It prefills
+prompt_ids, params, dest, prefix_tokens}`` (``dest``: the decode worker's transfer address;
+``prefix_tokens``, optional: how much of the prompt that worker's prefix cache holds, whose
+rows of growing state it is not sent, :meth:`~hyla.model.state.SequenceState.suffix`). It prefills
 them one at a time on an :class:`~hyla.serve.engine.Engine` as prefill-only requests (the
 engine checks the prompt, seeds the sampler, chunks the prompt, samples the first token and
 hands over the :class:`~hyla.model.state.SequenceState`), ships each state whole to
@@ -134,7 +136,8 @@ class PrefillService:
                 max(1e-9, time.monotonic() - self.started), **self.stats}
 
     async def submit(self, rid: str, prompt: list[int], params: SamplingParams,
-                     dest: str, deadline_s: float | None = None) -> dict:
+                     dest: str, deadline_s: float | None = None,
+                     prefix_tokens: int = 0) -> dict:
         """Queue a prompt; its answer once the decode worker acknowledged its state
         (``deadline_s``: from the first byte sent to that acknowledgement; the router
         derives it from its link estimate). ValueError (before queueing) if the engine
@@ -143,15 +146,19 @@ class PrefillService:
         fut = loop.create_future()
         self.engine.check_request(prompt, params, prefill_only=True)
         self.sender.check_dest(dest)
+        if type(prefix_tokens) is not int or not 0 <= prefix_tokens <= len(prompt):
+            raise ValueError(f"prefix_tokens must be an int in [0, {len(prompt)}] (the "
+                             f"prompt's length), got {prefix_tokens!r}")
         with self._lock:
             self.queued_tokens += len(prompt)
-        self._jobs.put((rid, prompt, params, dest, loop, fut, deadline_s))
+        self._jobs.put((rid, prompt, params, dest, loop, fut, deadline_s, prefix_tokens))
         return await fut
 
     def run_sync(self, rid: str, prompt: list[int], params: SamplingParams, dest: str,
-                 deadline_s: float | None = None) -> dict:
+                 deadline_s: float | None = None, prefix_tokens: int = 0) -> dict:
         """Prefill in the calling thread (tests, tools)."""
-        return self._finish(*self._prefill(rid, prompt, params, dest, deadline_s))
+        return self._finish(*self._prefill(rid, prompt, params, dest, deadline_s,
+                                           prefix_tokens))
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -165,10 +172,10 @@ class PrefillService:
             job = self._jobs.get()
             if job is None:
                 return
-            rid, prompt, params, dest, loop, fut, deadline_s = job
+            rid, prompt, params, dest, loop, fut, deadline_s, prefix_tokens = job
             t0 = time.monotonic()
             try:
-                shipping = self._prefill(rid, prompt, params, dest, deadline_s)
+                shipping = self._prefill(rid, prompt, params, dest, deadline_s, prefix_tokens)
             except Exception as e:  # noqa: BLE001 - answered to the router
                 self.stats["failed"] += 1
                 shipping = None
@@ -192,9 +199,10 @@ class PrefillService:
                 result = e
             loop.call_soon_threadsafe(_resolve, fut, result)
 
-    def _prefill(self, rid, prompt, params, dest, deadline_s=None) -> tuple:
-        """Prefill ``prompt`` on the engine (prefill-only) and queue its state on the link;
-        returns what :meth:`_finish` needs once the transfer is done."""
+    def _prefill(self, rid, prompt, params, dest, deadline_s=None, prefix_tokens=0) -> tuple:
+        """Prefill ``prompt`` on the engine (prefill-only) and queue its state on the link,
+        without the growing rows of its first ``prefix_tokens`` (the decode worker's cache
+        holds them); returns what :meth:`_finish` needs once the transfer is done."""
         delay = float(self.faults.get("prefill_delay_s", 0.0))
         if delay:
             time.sleep(delay)
@@ -215,11 +223,14 @@ class PrefillService:
         prefill_s = time.perf_counter() - t0
         first = done.token_ids[0]
         lp = logprob_to_dict(done.logprobs[0]) if done.logprobs else None
-        out = self.sender.send(rid, dest, done.state, first, lp, deadline_s=deadline_s)
+        state = done.state
+        if prefix_tokens:
+            state = state.suffix(prefix_tokens, self.model.state_specs)
+        out = self.sender.send(rid, dest, state, first, lp, deadline_s=deadline_s)
         self.stats["prompt_tokens"] += len(prompt)
         self.stats["prefill_s"] += prefill_s
         return out, {"request_id": rid, "first_token": first, "logprob": lp,
-                     "prefill_s": prefill_s}
+                     "prefill_s": prefill_s, "prefix_tokens": prefix_tokens}
 
     def _finish(self, out, result: dict) -> dict:
         """Wait for a prefilled request's state to be sent; its answer to the router."""
@@ -271,7 +282,7 @@ def create_prefill_app(svc: PrefillService, api_key: str | None = None,
                                              and 0 < deadline <= 3600):
                 raise ValueError(f"deadline_s must be a number in (0, 3600], got {deadline!r}")
             return await svc.submit(str(body["request_id"]), prompt, params, body["dest"],
-                                    deadline)
+                                    deadline, body.get("prefix_tokens", 0))
         except TransferFailed as e:
             return JSONResponse(error_body(str(e), "server_error", code="transfer_failed")
                                 | {"transfer": {k: e.stats.get(k) for k in
