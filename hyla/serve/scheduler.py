@@ -400,7 +400,8 @@ class Scheduler:
             if match.num_tokens == 0:
                 match = None
         prefix = None
-        if seq.external_state is not None and seq.external_state.start:
+        # (the simulator marks a shipped state with True: a whole one)
+        if getattr(seq.external_state, "start", 0):
             prefix = self._shipped_prefix(seq)
             if prefix is None:      # evicted since the router looked: computed here instead
                 seq.external_state = None

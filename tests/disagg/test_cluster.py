@@ -173,19 +173,22 @@ def test_prompt_logprobs_and_batches_through_the_router(cluster):
 
 def test_next_turn_ships_only_what_the_decode_worker_has_not_cached(cluster):
     """A conversation's next turn goes remote to the decode worker that served the first
-    (the router's index of 256-token chunks), which is sent the state without the rows of
-    the prefix its cache holds: the answer is a local prefill's."""
+    (the router's index of its KV blocks, answers included), which is sent the state without
+    the rows of the prefix its cache holds: the answer is a local prefill's."""
     client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="none", max_retries=0)
-    turn = "the quick brown fox jumps over the lazy dog. " * 6         # 282 tokens
+    turn = "a sleepy cat naps in the warm sun by the old gate. " * 6    # 306 tokens, new
     before = _view(cluster)["counts"]
     answer = client.completions.create(model=MODEL, prompt=turn, max_tokens=8,
                                        temperature=0).choices[0].text
-    prompt = turn + answer + " then the dog woke up and chased the fox around the yard."
+    prompt = turn + answer + " then a dog woke up and chased the cat around the yard."
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
     counts = _view(cluster)["counts"]
     assert counts["remote_ok"] - before["remote_ok"] == 2
     assert counts["shipped_after_prefix"] - before["shipped_after_prefix"] == 1
-    assert counts["prefix_tokens_not_shipped"] - before["prefix_tokens_not_shipped"] == 256
+    held = counts["prefix_tokens_not_shipped"] - before["prefix_tokens_not_shipped"]
+    # at least the first turn's 16 whole blocks (the random model's answer bytes come back
+    # as other text, so its blocks do not match)
+    assert 256 <= held <= len(prompt) and held % 16 == 0
     hits = sum(httpx.get(f"{w['address']}/internal/info", auth=SIGNED, timeout=10).json()
                ["shipped_prefix"]["hits"] for w in _workers(cluster, "decode"))
     assert hits >= 1

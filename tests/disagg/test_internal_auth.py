@@ -127,3 +127,15 @@ def test_body_bound_and_unsigned_refused_before_reading():
         assert r.status_code == 413
         assert c.post("/internal/x", json={"a": 2}).status_code == 401
     assert seen == [{"a": 1}]                    # the app saw the signed body, unchanged
+
+
+@pytest.mark.parametrize("bad", [-1, 4, 1.5, "2", True, None])
+def test_bad_prefix_tokens_are_a_400_naming_them(prefill_client, bad):
+    """How much of the prompt the decode worker holds (its rows are not shipped) must be
+    an int within the prompt."""
+    c, _ = prefill_client
+    c.post("/internal/registry", json={"decode": ["tcp://127.0.0.1:5555"]}, auth=ROUTER)
+    r = c.post("/internal/prefill", auth=ROUTER, json={
+        "request_id": "x", "prompt_ids": [1, 2, 3], "params": {"max_tokens": 1},
+        "dest": "tcp://127.0.0.1:5555", "prefix_tokens": bad})
+    assert r.status_code == 400 and "prefix_tokens" in r.json()["error"]["message"], r.text

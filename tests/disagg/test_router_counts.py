@@ -77,3 +77,30 @@ def test_a_stream_whose_client_left_is_counted():
     finally:
         server.should_exit = True
         t.join(10)
+
+
+def test_the_kv_index_holds_what_a_worker_computed_answers_included():
+    """What a decode worker holds after serving a request, as the router records it: the
+    prompt once the first output arrives (the prompt's chain of 256-token chunks too), then
+    the prompt and every answer token but the last (sampled, never computed) at the end, in
+    the KV index's 16-token blocks."""
+    from hyla.disagg.policy.prefix_index import chunk_chain
+
+    router = _router()
+    w = router.decode[0]
+    ids = list(range(300))
+    seen = []
+
+    async def stream():
+        for i in range(20):
+            seen.append(router.kv_index.match(w.url, chunk_chain(ids + list(range(40)), 16)))
+            yield StepOutput("r", [1000 + i], "x", i == 19, "length" if i == 19 else None,
+                             [], len(ids), i + 1)
+
+    async def drain():
+        return [o async for o in router._served(w, ids, chunk_chain(ids, 256), stream())]
+    outs = asyncio.run(drain())
+    assert len(outs) == 20 and seen[0] == 0 and seen[1] == 288    # 18 whole blocks
+    answer = [1000 + i for i in range(19)]
+    assert router.kv_index.match(w.url, chunk_chain(ids + answer + [5] * 40, 16)) == 304
+    assert router.prefix.match(w.url, chunk_chain(ids, 256)) == 256

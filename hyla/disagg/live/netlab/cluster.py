@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import sys
 import time
@@ -116,8 +117,10 @@ class LabCluster:
 
 
 def prompt_ids(i: int, tokens: int) -> list[int]:
-    """A distinct prompt of ``tokens`` token ids (no shared prefix between requests)."""
-    return [1 + (i * 7 + j * 13) % 200 for j in range(tokens)]
+    """A distinct prompt of ``tokens`` token ids (no shared prefix between requests: a
+    formula periodic in ``i`` repeated prompts, which a decode worker's cache then held)."""
+    rng = random.Random(i)
+    return [1 + rng.randrange(200) for _ in range(tokens)]
 
 
 async def one_request(client: httpx.AsyncClient, base: str, ids: list[int],

@@ -108,6 +108,15 @@ class LiveRouterConfig:
     # chunks of the engine's GLA snapshot interval, as many per worker as it keeps snapshots.
     prefix_chunk_tokens: int = 256
     prefix_capacity: int = 16
+    # The decode workers' KV blocks as the router estimates them, answers included: a
+    # remote request's state goes without the rows the chosen worker holds (any block
+    # boundary will do there: the state's fixed-size part is shipped whole)
+    kv_chunk_tokens: int = 16
+    kv_capacity: int = 8192
+    # ... unless that worker has more than this many requests beyond the least busy one's:
+    # then the load is spread and the whole state shipped (a hot conversation prefix would
+    # otherwise pile every request on one worker)
+    kv_affinity_slack: int = 2
 
 
 class LiveRouter(RemotePath):
@@ -123,6 +132,7 @@ class LiveRouter(RemotePath):
                                                      max_deadline_s=cfg.transfer_timeout_s))
         self.local_tps = self.remote_tps = 20_000.0     # prompt tokens/s, as measured
         self.prefix = PrefixIndex(cfg.prefix_chunk_tokens, cfg.prefix_capacity)
+        self.kv_index = PrefixIndex(cfg.kv_chunk_tokens, cfg.kv_capacity)
         self.counts = {"local": 0, "remote": 0, "remote_ok": 0, "fallback_local": 0,
                        "decode_retries": 0, "failed_mid_stream": 0, "failed": 0,
                        "cached_local": 0, "cached_tokens": 0, "abandoned": 0, "probes": 0,
@@ -280,22 +290,30 @@ class LiveRouter(RemotePath):
             p = self._pick(self.prefill, cap=cap)
             # the decode worker holding the longest cached prefix, if any: it is sent the
             # state without that prefix's rows (its cache has them)
-            d = self._pick(self.decode, need_transfer=True, prefer=cached_on)
+            kv_chain = chunk_chain(ids, self.kv_index.chunk_tokens)
+            up = [w for w in self.decode if w.healthy]
+            kv_on, _ = self.kv_index.best(kv_chain, [w.url for w in up])
+            least = min((w.inflight for w in up), default=0)
+            if any(w.url == kv_on and w.inflight > least + self.cfg.kv_affinity_slack
+                   for w in up):
+                kv_on = None
+            d = self._pick(self.decode, need_transfer=True, prefer=kv_on)
             ship = None
             if p is None or d is None:
                 self._fallback("remote pool saturated or down" if p is None
                                else "no decode worker for a shipped state")
             else:
-                held = self.prefix.match(d.url, chain)
+                held = self.kv_index.match(d.url, kv_chain)
+                held -= held % int(d.info.get("block_size") or 1)
                 ship = self._check_link(p, d, len(ids), decision, held)
             if ship is not None:
                 self.counts["remote"] += 1
                 self.counts["probes"] += ship.probe
                 sent = 0
                 try:
-                    async for o in self._remote(p, d, ids, params, rid, ship, held):
-                        if not sent:            # the decode worker's cache holds it now
-                            self.prefix.insert(d.url, chain)
+                    async for o in self._served(d, ids, chain, self._remote(
+                            p, d, ids, params, rid, ship, held)):
+                        if not sent:
                             self.counts["shipped_after_prefix"] += bool(held)
                             self.counts["prefix_tokens_not_shipped"] += held
                         sent += 1
@@ -318,14 +336,14 @@ class LiveRouter(RemotePath):
             tried.add(w.url)
             sent = 0
             try:
-                async for o in self._stream(w, ids, params, rid, prefilled=False):
-                    if not sent:                # prefilled there: its cache holds it now
-                        self.prefix.insert(w.url, chain)
+                async for o in self._served(w, ids, chain, self._stream(
+                        w, ids, params, rid, prefilled=False)):
                     sent += 1
                     yield o
                 return
             except WorkerFailed as e:
                 self.prefix.forget(w.url)
+                self.kv_index.forget(w.url)
                 if sent:
                     raise WorkerFailed(str(e), sent) from None
                 errors.append(str(e))
@@ -334,6 +352,22 @@ class LiveRouter(RemotePath):
         msg = "; ".join(errors) or "no healthy decode worker"
         raise APIError(f"No worker could serve the request: {msg}", status=503,
                        type="server_error", code="no_worker_available")
+
+    async def _served(self, w: Worker, ids: list[int], chain: list[int], outputs):
+        """``outputs`` (a worker's stream), recording what its caches then hold: the prompt
+        once it is prefilled there (its first output), the answer too once it ends."""
+        answer: list[int] = []
+        first = True
+        async for o in outputs:
+            if first:
+                first = False
+                self.prefix.insert(w.url, chain)
+                self.kv_index.insert(w.url, chunk_chain(ids, self.kv_index.chunk_tokens))
+            answer += o.token_ids
+            if o.finished:          # (the last token was sampled, never computed)
+                self.kv_index.insert(w.url, chunk_chain(ids + answer[:-1],
+                                                        self.kv_index.chunk_tokens))
+            yield o
 
     def plan(self, ids: list[int]) -> tuple[str, list[int], str | None]:
         """(target, the prompt's chunk hashes, the PD worker holding its longest cached

@@ -137,6 +137,7 @@ def add_decode_routes(app: FastAPI, engine: AsyncEngine, receiver: StateReceiver
                 "transfer_address": receiver.address, "running": e.scheduler.num_running,
                 "waiting": engine.num_waiting, "max_num_seqs": e.config.max_num_seqs,
                 "max_model_len": e.config.max_model_len, "tokens_per_s": tps,
+                "block_size": e.config.block_size,
                 "queue_s": load["queued_prompt_tokens"] / tps, **load,
                 "prefill_time_s": s["prefill_time_s"], "decode_time_s": s["decode_time_s"],
                 "engine_stats": dict(s), "transfers": dict(receiver.stats),
