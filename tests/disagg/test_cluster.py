@@ -247,8 +247,10 @@ async def _one(client, base, i, stream, prompt, max_tokens):
 
 async def _load(base, kill_pid, kill_after, n=8, max_tokens=24):
     async with httpx.AsyncClient(timeout=120) as client:
+        # distinct prompts: with one shared prefix, remote requests would go to the decode
+        # worker caching it (up to its slack), and the victim might hold none of them
         tasks = [asyncio.create_task(_one(client, base, i, i % 2 == 0,
-                                          LONG if i % 4 < 3 else SHORT, max_tokens))
+                                          f"{i} {LONG}" if i % 4 < 3 else SHORT, max_tokens))
                  for i in range(n)]
         await asyncio.sleep(kill_after)
         os.kill(kill_pid, signal.SIGKILL)
