@@ -291,6 +291,14 @@ def test_a_state_shipped_after_a_cached_prefix_decodes_like_local(layers):
         assert seq.output_ids == want
     assert (dec.scheduler.shipped_prefix_hits, dec.scheduler.shipped_prefix_misses) == (1, 0)
     assert (cold.scheduler.shipped_prefix_hits, cold.scheduler.shipped_prefix_misses) == (0, 1)
+    # a prefix that ends inside a block cannot be shared by blocks: computed there instead
+    odd = Engine(model, None, EngineConfig(max_model_len=96))
+    odd.generate([first_turn], params)
+    seq = odd.add_prefilled(prompt, o.token_ids[0], o.state.suffix(held - 3, model.state_specs),
+                            params)
+    while odd.has_unfinished():
+        odd.step()
+    assert seq.output_ids == want and odd.scheduler.shipped_prefix_misses == 1
     pc = dec.scheduler.prefix_cache
     assert pc.kv_blocks(prompt[:len(prompt) // 16 * 16]) is not None   # the whole prompt
     with pytest.raises(ValueError, match="start"):
