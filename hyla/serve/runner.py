@@ -122,6 +122,7 @@ class Runner:
         self.eager_until_built = eager_until_built
         self.built_widths: set[int] = set()     # widths warmup has compiled (or captured)
         self.built_verify_widths: set[int] = set()  # and their verify graphs (quantised)
+        self.width_seconds: dict[int, float] = {}   # a compiled step's time by width (EMA)
         # quantised layers verify drafts in their own graphs, one row's products in each row
         self.quantised = getattr(model, "quantized", None) not in (None, "none")
         self.compile_error: str | None = None   # why building the graphs failed, if it did
@@ -267,6 +268,25 @@ class Runner:
                               block_size=self.block_size, pad_block=self.pad_block,
                               device=self.device, last_logits=False)
         return self.model(ids[None], ctx)[0].float()
+
+    @torch.inference_mode()
+    def verify_batch(self, rows: list[tuple[int, list[int], int, list[int]]],
+                     widths: tuple[int, ...]) -> list[torch.Tensor]:
+        """:meth:`verify` for several sequences at once, ``(slot, tokens, start,
+        block_table)`` each, as one decode batch of the smallest of ``widths`` that holds
+        every row (where :attr:`verifies_as_batch` and that width :meth:`runs_graph`).
+        Logits [len(tokens), vocab] (fp32) a sequence. A quantised model's rows take a
+        decode batch's products, as those sequences' plain steps together would (each
+        row's own: what else is in the batch changes nothing)."""
+        slots, tokens, positions, tables = [], [], [], []
+        for slot, toks, start, table in rows:
+            slots += [slot] * len(toks)
+            tokens += toks
+            positions += range(start, start + len(toks))
+            tables += [table] * len(toks)
+        width = next(w for w in widths if w >= len(tokens))
+        logits = self._decode(slots, tokens, positions, tables, width, True)
+        return list(logits.split([len(t) for _, t, _, _ in rows]))
 
     @property
     def verifies_as_batch(self) -> bool:
@@ -465,9 +485,13 @@ class Runner:
             else:
                 logits = self._decode_fn(*args)[:B]
         built = counters["stats"]["unique_graphs"] - before
+        seconds = time.perf_counter() - t0
         if built:
             self.num_compilations += built
-            self.compile_time_s += time.perf_counter() - t0
+            self.compile_time_s += seconds
+        elif not one_row:       # what a step of this width costs (speculation weighs it)
+            last = self.width_seconds.get(width)
+            self.width_seconds[width] = seconds if last is None else 0.8 * last + 0.2 * seconds
         return logits
 
     def warmup(self, widths: tuple[int, ...], max_blocks: int = 0,
@@ -492,6 +516,8 @@ class Runner:
         for w in widths:
             for nb in nbs:
                 self._decode([self.pad_slot], [0], [0], [[self.pad_block] * nb], w, True)
+            # once more, built: what a step of this width costs (speculation weighs it)
+            self._decode([self.pad_slot], [0], [0], [[self.pad_block] * nbs[0]], w, True)
             self.built_widths.add(w)
         if self.compiled and self.quantised and self.verifies_as_batch:
             for w in verify_widths:

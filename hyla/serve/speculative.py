@@ -101,22 +101,33 @@ class NgramSpeculator:
         self._drafters.pop(request_id, None)
 
     def step(self, engine, out) -> list | None:
-        """A speculative step, where one request decodes alone: n-gram drafts verified in
-        one forward, the drafts the model keeps (greedy: the agreeing prefix; sampled: by
-        the speculative sampling rule, :func:`hyla.model.sampler.accept_drafts`) and the
-        token after them. Drafts the model rejects were consumed by the recurrent states: those are
-        restored and the kept tokens recomputed, so the state is exactly the one plain
-        decoding would hold. None (a plain step follows) where it does not apply."""
+        """A speculative step: n-gram drafts verified in one forward, the drafts the model
+        keeps (greedy: the agreeing prefix; sampled: by the speculative sampling rule,
+        :func:`hyla.model.sampler.accept_drafts`) and the token after them. One request
+        decoding alone, on any runner; several, where the runner verifies drafts as a decode
+        batch (:attr:`~hyla.serve.runner.Runner.verifies_as_batch`: no fixed-size state),
+        all their rows in one batch. Drafts the model rejects were consumed by the recurrent
+        states: those are restored and the kept tokens recomputed, so the state is exactly
+        the one plain decoding would hold. None (a plain step follows) where it does not
+        apply."""
         # (restores: a prompt one token past its cached prefix runs as a decode, and its
         # snapshot must be restored first: a plain step does that)
-        if out.prefills or out.loads or out.restores or len(out.decodes) != 1:
-            return None
-        seq = out.decodes[0]
-        p, n = seq.params, seq.num_computed_tokens
-        if (p.logprobs is not None or p.grammar is not None or p.penalised or n == 0
-                or seq.request_id in engine._prefill_only):
+        if out.prefills or out.loads or out.restores or not out.decodes:
             return None
         r = engine.runner
+        seqs = out.decodes
+        if len(seqs) > 1 and not r.verifies_as_batch:
+            return None
+        for seq in seqs:
+            p = seq.params
+            if (p.logprobs is not None or p.grammar is not None or p.penalised
+                    or seq.num_computed_tokens == 0 or seq.request_id in engine._prefill_only):
+                return None
+        if len(seqs) == 1:
+            return self._one(engine, out, seqs[0])
+        return self._batch(engine, out, seqs)
+
+    def _drafter(self, r, seq) -> NgramDrafter:
         drafter = self._drafters.get(seq.request_id)
         if drafter is None:
             drafter = self._drafters[seq.request_id] = NgramDrafter(self.k)
@@ -125,9 +136,17 @@ class NgramSpeculator:
                 # steps, so draft only after a 3-token match (SmolLM2 int4-a8: prose 0.88x
                 # -> 1.02x, an edited function 1.14x -> 1.08x)
                 drafter.min_n = 3
-        room = min(p.max_tokens - len(seq.output_ids) - 1,
+        return drafter
+
+    def _drafts(self, engine, seq) -> list[int]:
+        n = seq.num_computed_tokens
+        room = min(seq.params.max_tokens - len(seq.output_ids) - 1,
                    engine.scheduler.config.max_model_len - n - 1)
-        drafts = drafter.draft(seq.all_token_ids, room)
+        return self._drafter(engine.runner, seq).draft(seq.all_token_ids, room)
+
+    def _one(self, engine, out, seq) -> list | None:
+        r, n = engine.runner, seq.num_computed_tokens
+        drafts = self._drafts(engine, seq)
         widths = engine.scheduler.config.decode_widths
         if r.verifies_as_batch:
             # verified as a decode batch (Runner.verify): a width costs the same whatever
@@ -149,12 +168,74 @@ class NgramSpeculator:
         if j < len(drafts) and saved:   # fixed-size states consumed rejected drafts: go
             r.restore_scratch(seq.slot, saved)      # back (KV rows past the kept tokens are
             r.verify(seq.slot, tokens[:j + 1], n, seq.block_table, widths)  # never read)
-        kept = drafts[:j] + [after]
-        drafter.feedback(j, len(drafts))
+        self._drafter(r, seq).feedback(j, len(drafts))
+        results = self._keep(engine, out, seq, drafts, j, after)
+        self._count(engine, t0, len(drafts), j)
+        engine.runner.copy_snapshots(out.snapshot_saves, save=True)
+        return results
+
+    def _batch(self, engine, out, seqs) -> list | None:
+        """Several decoding requests' drafts verified in one decode batch: each request's
+        rows at consecutive positions (the runner's mixers all grow per token, so no state
+        is rolled back: rows past the kept tokens are never read). Drafts are cut, latest
+        requests' first, to the widest decode width."""
+        r, sched = engine.runner, engine.scheduler
+        widths = sched.config.decode_widths
+        drafts = [self._drafts(engine, seq) for seq in seqs]
+        plain = next(w for w in widths if w >= len(seqs))
+        wide = next((w for w in widths if w >= len(seqs) + sum(map(len, drafts))), widths[-1])
+        if wide > plain and not self._worth(r, seqs, drafts, plain, wide):
+            wide = plain                # only the plain step's spare rows: free
+        for i in range(len(seqs) - 1, -1, -1):
+            over = len(seqs) + sum(map(len, drafts)) - wide
+            if over > 0:
+                drafts[i] = drafts[i][:max(0, len(drafts[i]) - over)]
+        for i, seq in enumerate(seqs):
+            if drafts[i] and not sched.reserve_ahead(
+                    seq, seq.num_computed_tokens + len(drafts[i]) + 1):
+                drafts[i] = []
+        width = next(w for w in widths if w >= len(seqs) + sum(map(len, drafts)))
+        if not any(drafts) or not r.runs_graph(width):
+            return None
+        t0 = time.perf_counter()
+        rows = [(seq.slot, [seq.token_at(seq.num_computed_tokens)] + d,
+                 seq.num_computed_tokens, seq.block_table) for seq, d in zip(seqs, drafts)]
+        parts = r.verify_batch(rows, widths)
+        results = []
+        for seq, d, logits in zip(seqs, drafts, parts, strict=True):
+            try:
+                j, after = engine.verdict(logits, d, seq)
+            except Exception as e:  # noqa: BLE001 - this request alone fails
+                results.append(engine._fail(seq, None, e))
+                continue
+            if d:
+                self._drafter(r, seq).feedback(j, len(d))
+            results += self._keep(engine, out, seq, d, j, after)
+            engine.stats["draft_tokens"] += len(d)
+            engine.stats["accepted_tokens"] += j
         engine.stats["decode_steps"] += 1
         engine.stats["decode_time_s"] += time.perf_counter() - t0
-        engine.stats["draft_tokens"] += len(drafts)
-        engine.stats["accepted_tokens"] += j
+        engine.runner.copy_snapshots(out.snapshot_saves, save=True)
+        return results
+
+    def _worth(self, r, seqs, drafts, plain: int, wide: int) -> bool:
+        """Whether a step of width ``wide`` (all the drafts) is expected to give more tokens
+        a second than the plain one: each request's drafts kept at its rate so far (a
+        draft is kept with probability p, the next only after it: p + p^2 + ...), against
+        the two widths' measured step times (not known yet: no)."""
+        t_plain, t_wide = r.width_seconds.get(plain), r.width_seconds.get(wide)
+        if t_plain is None or t_wide is None:
+            return False
+        tokens = len(seqs)
+        for seq, d in zip(seqs, drafts, strict=True):
+            drafter = self._drafters[seq.request_id]
+            p = (drafter.accepted + 1) / (drafter.drafted + 2)
+            tokens += sum(p ** m for m in range(1, len(d) + 1))
+        return tokens / t_wide > len(seqs) / t_plain
+
+    def _keep(self, engine, out, seq, drafts, j, after) -> list:
+        """The kept drafts and the token after them, emitted in order (up to a stop)."""
+        kept = drafts[:j] + [after]
         results = []
         for i, token in enumerate(kept):
             finished = engine.scheduler.advance(seq, token, out, snapshot=i == len(kept) - 1)
@@ -165,5 +246,10 @@ class NgramSpeculator:
                 results.append(engine._fail(seq, token, e))
             if seq.is_finished:
                 break
-        engine.runner.copy_snapshots(out.snapshot_saves, save=True)
         return results
+
+    def _count(self, engine, t0: float, drafted: int, kept: int) -> None:
+        engine.stats["decode_steps"] += 1
+        engine.stats["decode_time_s"] += time.perf_counter() - t0
+        engine.stats["draft_tokens"] += drafted
+        engine.stats["accepted_tokens"] += kept

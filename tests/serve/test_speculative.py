@@ -211,6 +211,39 @@ def test_compiled_engines_verify_drafts_as_a_decode_batch(monkeypatch, layers, s
     assert eng.runner.built_verify_widths == ({2, 4} if scheme else set())
 
 
+@pytest.mark.parametrize("layers, scheme", [("AA", None), ("AA", "int4-a8"), ("GA", None)])
+def test_several_decoding_requests_verify_their_drafts_in_one_batch(monkeypatch, layers,
+                                                                     scheme):
+    """Compiled, without fixed-size state: three requests decoding together verify their
+    drafts in one decode batch of the decode graphs (each one's rows at consecutive
+    positions, cut to the widest width; quantised, in a batch's products, as their plain
+    steps together take), keeping the plain engine's tokens. With a GLA state they take
+    plain steps while more than one decodes."""
+    from hyla.model.quantize import quantize_model
+
+    model = _model(layers)
+    if scheme:
+        quantize_model(model, scheme)
+    prompts = [_repetitive(s) for s in range(3)]
+    oracle_drafts(monkeypatch, model, prompts)
+    config = EngineConfig(max_model_len=128, max_num_seqs=4, compile=True)
+    plain = Engine(model, ByteTokenizer(), config)
+    eng = Engine(model, ByteTokenizer(), dataclasses.replace(config, speculative="ngram"))
+    built = eng.warmup()
+    batches = []
+    decode = eng.runner._decode
+    monkeypatch.setattr(eng.runner, "_decode", lambda slots, *a, **kw: (
+        batches.append(list(slots)), decode(slots, *a, **kw))[1])
+    want = [s.output_ids for s in plain.generate(prompts, GREEDY)]
+    assert [s.output_ids for s in eng.generate(prompts, GREEDY)] == want
+    assert eng.runner.num_compilations == built
+    mixed = [b for b in batches if len(set(b)) > 1 and len(b) > len(set(b))]
+    assert bool(mixed) == (layers == "AA")
+    assert all(len(b) <= 4 for b in batches)
+    if layers == "AA":
+        assert eng.stats["accepted_tokens"] > 0
+
+
 def test_bad_settings_are_refused_naming_the_flag():
     model = _model("GGGA")
     with pytest.raises(ValueError, match="--speculative: expected one of"):
