@@ -65,7 +65,7 @@ def main(run) -> None:
                    for t in texts]
         outs = {name: batch_rate(eng, prompts, params)[1] for name, eng in engines.items()}
         before = dict(engines["ngram"].stats)
-        rates = run.rounds({name: lambda e=eng: batch_rate(e, prompts, params)
+        rates = run.rounds({name: lambda e=eng, ps=prompts: batch_rate(e, ps, params)
                             for name, eng in engines.items()}, 1 if a.quick else None)
         st = engines["ngram"].stats
         drafts = st["draft_tokens"] - before["draft_tokens"]

@@ -178,7 +178,8 @@ class NgramSpeculator:
         """Several decoding requests' drafts verified in one decode batch: each request's
         rows at consecutive positions (the runner's mixers all grow per token, so no state
         is rolled back: rows past the kept tokens are never read). Drafts are cut, latest
-        requests' first, to the widest decode width."""
+        requests' first, to the width that holds them all where that is :meth:`_worth` it
+        (else to the plain step's width: its spare rows are free), at most the widest."""
         r, sched = engine.runner, engine.scheduler
         widths = sched.config.decode_widths
         drafts = [self._drafts(engine, seq) for seq in seqs]
@@ -199,9 +200,10 @@ class NgramSpeculator:
             return None
         t0 = time.perf_counter()
         rows = [(seq.slot, [seq.token_at(seq.num_computed_tokens)] + d,
-                 seq.num_computed_tokens, seq.block_table) for seq, d in zip(seqs, drafts)]
+                 seq.num_computed_tokens, seq.block_table)
+                for seq, d in zip(seqs, drafts, strict=True)]
         parts = r.verify_batch(rows, widths)
-        results = []
+        results, drafted, kept = [], 0, 0
         for seq, d, logits in zip(seqs, drafts, parts, strict=True):
             try:
                 j, after = engine.verdict(logits, d, seq)
@@ -211,10 +213,8 @@ class NgramSpeculator:
             if d:
                 self._drafter(r, seq).feedback(j, len(d))
             results += self._keep(engine, out, seq, d, j, after)
-            engine.stats["draft_tokens"] += len(d)
-            engine.stats["accepted_tokens"] += j
-        engine.stats["decode_steps"] += 1
-        engine.stats["decode_time_s"] += time.perf_counter() - t0
+            drafted, kept = drafted + len(d), kept + j
+        self._count(engine, t0, drafted, kept)
         engine.runner.copy_snapshots(out.snapshot_saves, save=True)
         return results
 
