@@ -176,20 +176,16 @@ def test_draft_counts_grow_while_kept_and_fall_back_to_one():
     assert sizes == [1, 3, 4, 4, 0] and d.draft(tokens, room=10) == [0]
 
 
-@pytest.mark.parametrize("layers, scheme", [("AA", None), ("GA", None), ("AA", "int8"),
-                                           ("AA", "int4-a8")])
-def test_compiled_engines_verify_drafts_as_a_decode_batch(monkeypatch, layers, scheme):
-    """Compiled, a model without fixed-size state verifies its drafts as one of the decode
-    widths (the one sequence's rows at consecutive positions, no eager prefill pass), drafts
-    cut to fill a width (4 of them would need width 8: 3). A float model runs the decode
-    graphs; a quantised one graphs of its own in one row's products, built by warmup. One
-    with a GLA state verifies them as a prefill chunk. All keep the plain output."""
+def _compiled_pair(monkeypatch, layers, scheme, n):
+    """A model (quantised by ``scheme``), ``n`` repetitive prompts with oracle drafts, a
+    plain and a speculative compiled engine (warmed up: ``built`` graphs), and the rows'
+    slots of every decode call the speculative one makes (``batches``)."""
     from hyla.model.quantize import quantize_model
 
     model = _model(layers)
     if scheme:
         quantize_model(model, scheme)
-    prompts = [_repetitive(s) for s in range(2)]
+    prompts = [_repetitive(s) for s in range(n)]
     oracle_drafts(monkeypatch, model, prompts)
     config = EngineConfig(max_model_len=128, max_num_seqs=4, compile=True)
     plain = Engine(model, ByteTokenizer(), config)
@@ -199,6 +195,19 @@ def test_compiled_engines_verify_drafts_as_a_decode_batch(monkeypatch, layers, s
     decode = eng.runner._decode
     monkeypatch.setattr(eng.runner, "_decode", lambda slots, *a, **kw: (
         batches.append(list(slots)), decode(slots, *a, **kw))[1])
+    return model, prompts, plain, eng, built, batches
+
+
+@pytest.mark.parametrize("layers, scheme", [("AA", None), ("GA", None), ("AA", "int8"),
+                                           ("AA", "int4-a8")])
+def test_compiled_engines_verify_drafts_as_a_decode_batch(monkeypatch, layers, scheme):
+    """Compiled, a model without fixed-size state verifies its drafts as one of the decode
+    widths (the one sequence's rows at consecutive positions, no eager prefill pass), drafts
+    cut to fill a width (4 of them would need width 8: 3). A float model runs the decode
+    graphs; a quantised one graphs of its own in one row's products, built by warmup. One
+    with a GLA state verifies them as a prefill chunk. All keep the plain output."""
+    model, prompts, plain, eng, built, batches = _compiled_pair(monkeypatch, layers, scheme,
+                                                                2)
     for p in prompts:
         (seq,) = eng.generate([p], GREEDY)
         assert seq.output_ids == plain.generate([p], GREEDY)[0].output_ids
@@ -216,24 +225,10 @@ def test_several_decoding_requests_verify_their_drafts_in_one_batch(monkeypatch,
                                                                      scheme):
     """Compiled, without fixed-size state: three requests decoding together verify their
     drafts in one decode batch of the decode graphs (each one's rows at consecutive
-    positions, cut to the widest width; quantised, in a batch's products, as their plain
+    positions, within the widest width; quantised, in a batch's products, as their plain
     steps together take), keeping the plain engine's tokens. With a GLA state they take
     plain steps while more than one decodes."""
-    from hyla.model.quantize import quantize_model
-
-    model = _model(layers)
-    if scheme:
-        quantize_model(model, scheme)
-    prompts = [_repetitive(s) for s in range(3)]
-    oracle_drafts(monkeypatch, model, prompts)
-    config = EngineConfig(max_model_len=128, max_num_seqs=4, compile=True)
-    plain = Engine(model, ByteTokenizer(), config)
-    eng = Engine(model, ByteTokenizer(), dataclasses.replace(config, speculative="ngram"))
-    built = eng.warmup()
-    batches = []
-    decode = eng.runner._decode
-    monkeypatch.setattr(eng.runner, "_decode", lambda slots, *a, **kw: (
-        batches.append(list(slots)), decode(slots, *a, **kw))[1])
+    _, prompts, plain, eng, built, batches = _compiled_pair(monkeypatch, layers, scheme, 3)
     want = [s.output_ids for s in plain.generate(prompts, GREEDY)]
     assert [s.output_ids for s in eng.generate(prompts, GREEDY)] == want
     assert eng.runner.num_compilations == built
