@@ -98,7 +98,8 @@ def test_the_kv_index_holds_what_a_worker_computed_answers_included():
                              [], len(ids), i + 1)
 
     async def drain():
-        return [o async for o in router._served(w, ids, chunk_chain(ids, 256), stream())]
+        return [o async for o in router._served(w, ids, chunk_chain(ids, 256),
+                                                chunk_chain(ids, 16), stream())]
     outs = asyncio.run(drain())
     assert len(outs) == 20 and seen[0] == 0 and seen[1] == 288    # 18 whole blocks
     answer = [1000 + i for i in range(19)]

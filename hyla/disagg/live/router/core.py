@@ -281,6 +281,7 @@ class LiveRouter(RemotePath):
         :class:`WorkerFailed` (with ``sent`` > 0) when a decode worker dies mid-stream.
         """
         decision, chain, cached_on = self._plan(ids)
+        kv_chain = chunk_chain(ids, self.kv_index.chunk_tokens)
         target = decision if isinstance(decision, str) else decision.target
         if params.prompt_logprobs is not None:
             target = LOCAL          # prompt logprobs come from a PD worker's prefill
@@ -290,7 +291,6 @@ class LiveRouter(RemotePath):
             p = self._pick(self.prefill, cap=cap)
             # the decode worker holding the longest cached prefix, if any: it is sent the
             # state without that prefix's rows (its cache has them)
-            kv_chain = chunk_chain(ids, self.kv_index.chunk_tokens)
             up = [w for w in self.decode if w.healthy]
             kv_on, _ = self.kv_index.best(kv_chain, [w.url for w in up])
             least = min((w.inflight for w in up), default=0)
@@ -311,7 +311,7 @@ class LiveRouter(RemotePath):
                 self.counts["probes"] += ship.probe
                 sent = 0
                 try:
-                    async for o in self._served(d, ids, chain, self._remote(
+                    async for o in self._served(d, ids, chain, kv_chain, self._remote(
                             p, d, ids, params, rid, ship, held)):
                         if not sent:
                             self.counts["shipped_after_prefix"] += bool(held)
@@ -336,7 +336,7 @@ class LiveRouter(RemotePath):
             tried.add(w.url)
             sent = 0
             try:
-                async for o in self._served(w, ids, chain, self._stream(
+                async for o in self._served(w, ids, chain, kv_chain, self._stream(
                         w, ids, params, rid, prefilled=False)):
                     sent += 1
                     yield o
@@ -353,16 +353,18 @@ class LiveRouter(RemotePath):
         raise APIError(f"No worker could serve the request: {msg}", status=503,
                        type="server_error", code="no_worker_available")
 
-    async def _served(self, w: Worker, ids: list[int], chain: list[int], outputs):
+    async def _served(self, w: Worker, ids: list[int], chain: list[int], kv_chain: list[int],
+                      outputs):
         """``outputs`` (a worker's stream), recording what its caches then hold: the prompt
-        once it is prefilled there (its first output), the answer too once it ends."""
+        (``chain`` and ``kv_chain``, its chunks in either index) once it is prefilled there
+        (its first output), the answer too once it ends."""
         answer: list[int] = []
         first = True
         async for o in outputs:
             if first:
                 first = False
                 self.prefix.insert(w.url, chain)
-                self.kv_index.insert(w.url, chunk_chain(ids, self.kv_index.chunk_tokens))
+                self.kv_index.insert(w.url, kv_chain)
             answer += o.token_ids
             if o.finished:          # (the last token was sampled, never computed)
                 self.kv_index.insert(w.url, chunk_chain(ids + answer[:-1],
