@@ -28,13 +28,18 @@ from hyla.cli.common import (
     add_sampling,
     add_speculative,
     check_sampling,
-    drafter,
     format_bytes,
     random_model,
     stop_ids,
     torch_threads,
 )
-from hyla.cli.model_flags import add_quantize, add_weights_cache, apply_quantize, load_quantized
+from hyla.cli.model_flags import (
+    add_quantize,
+    add_weights_cache,
+    apply_quantize,
+    drafter,
+    load_quantized,
+)
 
 
 def add_chat(sub) -> argparse.ArgumentParser:
@@ -205,7 +210,8 @@ def cmd_chat(args: argparse.Namespace, out: Console) -> int:
     try:
         chat = Conversation(model, tok, system=args.system, max_tokens=args.max_tokens,
                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            seed=args.seed, json_schema=schema, drafter=drafter(args))
+                            seed=args.seed, json_schema=schema,
+                            drafter=drafter(args, model, tok, err))
     except ValueError as e:
         raise ValueError(f"--json-schema {args.json_schema}: {e}") from None
     tty = sys.stdin.isatty()

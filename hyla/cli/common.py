@@ -151,29 +151,50 @@ def check_sampling(args: argparse.Namespace) -> None:
 
 
 
+def speculative_method(value: str) -> str:
+    """argparse type of ``--speculative``: ``ngram`` or ``draft:SOURCE``.
+
+    Example:
+        >>> speculative_method("draft:smollm2")
+        'draft:smollm2'
+    """
+    from hyla.serve.speculative import check_speculative
+
+    try:
+        check_speculative(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative: ")) from None
+    if value == "draft:":
+        raise argparse.ArgumentTypeError("draft:SOURCE needs a model after 'draft:' (a "
+                                         "checkpoint, a GGUF or safetensors file, or a known "
+                                         "name such as smollm2)")
+    return value
+
+
 def add_speculative(p: argparse.ArgumentParser, applies: str) -> None:
-    """``--speculative`` and ``--num-speculative-tokens`` (``serve``, ``generate``, ``chat``);
-    ``applies``: when speculation runs."""
-    p.add_argument("--speculative", choices=("ngram",), default=None,
+    """``--speculative``, ``--num-speculative-tokens`` and ``--draft-quantize`` (``serve``,
+    ``generate``, ``chat``); ``applies``: when speculation runs."""
+    from hyla.model.quantize import SCHEMES
+
+    p.add_argument("--speculative", type=speculative_method, default=None,
+                   metavar="{ngram,draft:SOURCE}",
                    help=f"speculative decoding ({applies}): ngram drafts tokens by looking "
-                        f"the last few up earlier in the text, verified in one forward (the "
-                        f"output stays the model's own)")
+                        f"the last few up earlier in the text; draft:SOURCE has a smaller (or "
+                        f"quantised) model sharing the tokenizer draft them (a request "
+                        f"decoding alone). The drafts are verified in one forward: the output "
+                        f"stays the model's own")
     p.add_argument("--num-speculative-tokens", type=positive, default=4, metavar="N",
                    help="drafts a step with --speculative (default: %(default)s)")
+    p.add_argument("--draft-quantize", choices=("auto", *SCHEMES), default="auto",
+                   help="how the draft:SOURCE model is quantised, as --quantize (default: "
+                        "%(default)s; a draft's rounding costs speed, never output)")
 
 
-def drafter(args: argparse.Namespace):
-    """The drafter ``--speculative`` asks for (None without it)."""
-    if getattr(args, "speculative", None) is None:
-        return None
-    from hyla.serve.speculative import NgramDrafter
-
-    return NgramDrafter(args.num_speculative_tokens)
-
-
-def generate_text(model, tok, prompt: str, args: argparse.Namespace, timing=None) -> str:
+def generate_text(model, tok, prompt: str, args: argparse.Namespace, timing=None,
+                  drafter=None) -> str:
     """The completion of ``prompt`` under the sampling flags of :func:`add_sampling`;
-    ``timing`` (a :class:`hyla.model.stream.StreamTiming`) receives the speeds."""
+    ``timing`` (a :class:`hyla.model.stream.StreamTiming`) receives the speeds; ``drafter``:
+    speculative decoding's (:func:`hyla.cli.model_flags.drafter`)."""
     import torch
 
     from hyla.model.stream import stream_tokens
@@ -187,7 +208,7 @@ def generate_text(model, tok, prompt: str, args: argparse.Namespace, timing=None
     new = list(stream_tokens(model, RunnerState(model), tok.encode(prompt), args.max_tokens,
                              temperature=args.temperature, top_k=args.top_k,
                              top_p=getattr(args, "top_p", 1.0), generator=gen,
-                             stop_ids=stop_ids(tok), timing=timing, drafter=drafter(args)))
+                             stop_ids=stop_ids(tok), timing=timing, drafter=drafter))
     return tok.decode(new)
 
 

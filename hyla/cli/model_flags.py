@@ -91,6 +91,39 @@ def quantize_notes(model, args: argparse.Namespace) -> list[str]:
     return notes
 
 
+def drafter(args: argparse.Namespace, model, tok, out: Console | None = None):
+    """The drafter ``--speculative`` asks for ``model`` (None without it): n-gram lookup, or
+    the ``draft:SOURCE`` model loaded and quantised as ``--draft-quantize`` says."""
+    from hyla.serve.draft_model import ModelDrafter
+    from hyla.serve.speculative import NgramDrafter
+
+    method = getattr(args, "speculative", None)
+    if method is None:
+        return None
+    if method == "ngram":
+        return NgramDrafter(args.num_speculative_tokens)
+    return ModelDrafter(draft_model(args, model, tok, out), args.num_speculative_tokens)
+
+
+def draft_model(args: argparse.Namespace, model, tok, out: Console | None = None):
+    """The model of ``--speculative draft:SOURCE`` for ``model``, quantised as
+    ``--draft-quantize`` says (None with another method)."""
+    from hyla.model.quantize import quantize_model
+    from hyla.serve.draft_model import DRAFT_PREFIX, load_draft
+
+    method = getattr(args, "speculative", None) or ""
+    if not method.startswith(DRAFT_PREFIX):
+        return None
+    draft = load_draft(method[len(DRAFT_PREFIX):], model, tok)
+    scheme, why = resolve_quantize(draft, getattr(args, "draft_quantize", "auto"))
+    report = quantize_model(draft, scheme)
+    if out is not None:
+        out.print(f"draft model {method[len(DRAFT_PREFIX):]}: weights {scheme}"
+                  + (f" ({format_bytes(report.bytes_after)})" if scheme != "none" else "")
+                  + (f"; {why.replace('--quantize', '--draft-quantize', 1)}" if why else ""))
+    return draft
+
+
 def add_weights_cache(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-weights-cache", action="store_true",
                    help="load and quantise the checkpoint on every start, without the "

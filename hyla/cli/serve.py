@@ -45,6 +45,8 @@ from hyla.cli.model_flags import (
     add_weights_cache,
     apply_quantize,
     byte_size,
+    draft_model,
+    drafter,
     load_quantized,
 )
 
@@ -173,9 +175,10 @@ def cmd_generate(args: argparse.Namespace, out: Console) -> int:
     else:
         model, tok = random_model(args.preset, args.seed)
         apply_quantize(model, args)
+    draft = drafter(args, model, tok, Console(stderr=True) if not args.quiet else None)
     load_s, timing = time.perf_counter() - start, StreamTiming()
     with torch_threads(args.threads):
-        text = generate_text(model, tok, args.prompt, args, timing)
+        text = generate_text(model, tok, args.prompt, args, timing, draft)
     if args.checkpoint is None:
         out.print("[dim](random weights: the text is noise until a checkpoint is loaded)[/]")
     sys.stdout.write(args.prompt + text + "\n")
@@ -232,7 +235,7 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
                           kv_cache_dtype=args.kv_cache_dtype,
                           compile=args.compile, cuda_graphs=args.cuda_graphs,
                           eager_until_compiled=args.compile and not args.cuda_graphs)
-    engine = Engine(model, tok, config)
+    engine = Engine(model, tok, config, draft_model=draft_model(args, model, tok, out))
     if engine.kv_cache_bytes:
         blocks = engine.scheduler.config.num_kv_blocks
         dtype = str(engine.runner.kv_dtype).removeprefix("torch.")

@@ -19,11 +19,12 @@ from hyla.model.model import HylaLM
 from hyla.model.sampler import TokenLogprob, accept_drafts, sample
 from hyla.ops.hardware import fast_low_precision_matmul
 from hyla.serve.detokenizer import IncrementalText
+from hyla.serve.draft_model import DRAFT_PREFIX, ModelDrafter, load_draft
 from hyla.serve.penalties import apply_penalties
 from hyla.serve.runner import Runner
 from hyla.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from hyla.serve.sequence import SamplingParams, Sequence
-from hyla.serve.speculative import SPECULATIVE_METHODS, NgramSpeculator
+from hyla.serve.speculative import Speculator, check_speculative
 from hyla.serve.structured import Constraints
 
 
@@ -63,10 +64,13 @@ class EngineConfig:
     # server warms up in the background and serves meanwhile)
     eager_until_compiled: bool = False
     cuda_graphs: bool = False
-    # speculative decoding ("ngram": drafts by n-gram lookup in the sequence itself) of
-    # up to num_speculative_tokens a step, for a request decoding alone
+    # speculative decoding of up to num_speculative_tokens a step: "ngram" (drafts by
+    # n-gram lookup in the sequence itself; for several requests decoding together too) or
+    # "draft:SOURCE" (a draft model sharing the tokenizer; a request decoding alone)
     speculative: str | None = None
     num_speculative_tokens: int = 4
+    # draft:SOURCE drafts no token the draft model gives a probability under this
+    draft_confidence: float = 0.4
     # logits [B, V], per-row params and generators -> (tokens, logprobs); the same sampler
     # as hyla.model.generate by default
     sampler: Callable = sample
@@ -164,17 +168,18 @@ class Engine:
         ([3, 3], 0)
     """
 
-    def __init__(self, model: HylaLM, tokenizer=None, config: EngineConfig | None = None):
-        """``tokenizer`` None: a token-only engine (no text, no stop strings)."""
+    def __init__(self, model: HylaLM, tokenizer=None, config: EngineConfig | None = None, *,
+                 draft_model: HylaLM | None = None):
+        """``tokenizer`` None: a token-only engine (no text, no stop strings).
+        ``draft_model``: the model of ``speculative="draft:SOURCE"`` (None: SOURCE loaded
+        here, unquantised)."""
         if tokenizer is not None and tokenizer.vocab_size > model.cfg.vocab_size:
             raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the "
                              f"model's vocabulary ({model.cfg.vocab_size})")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = c = config or EngineConfig()
-        if c.speculative is not None and c.speculative not in SPECULATIVE_METHODS:
-            raise ValueError(f"--speculative: expected one of {SPECULATIVE_METHODS}, got "
-                             f"{c.speculative!r}")
+        check_speculative(c.speculative)
         if c.num_speculative_tokens < 1:
             raise ValueError(f"--num-speculative-tokens must be >= 1, got "
                              f"{c.num_speculative_tokens}")
@@ -232,8 +237,8 @@ class Engine:
         self._generators: dict[str, torch.Generator] = {}
         self._prefill_only: dict[str, SamplingParams] = {}    # rid -> the caller's params
         self._prompt_lps: dict[str, list[TokenLogprob | None]] = {}   # scored so far
-        self.speculator = (NgramSpeculator(c.num_speculative_tokens)
-                           if c.speculative is not None else None)
+        self.speculator = None if c.speculative is None else Speculator(
+            c.num_speculative_tokens, self._new_drafter(draft_model))
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                       "decode_steps": 0, "decode_time_s": 0.0, "prefill_time_s": 0.0,
                       "step_time_s": 0.0, "draft_tokens": 0, "accepted_tokens": 0}
@@ -337,6 +342,17 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def _new_drafter(self, draft_model: HylaLM | None):
+        """What makes each request's drafter for ``config.speculative`` (None: n-grams)."""
+        c = self.config
+        if not c.speculative.startswith(DRAFT_PREFIX):
+            return None
+        if draft_model is None:
+            draft_model = load_draft(c.speculative[len(DRAFT_PREFIX):], self.model,
+                                     self.tokenizer)
+        return lambda: ModelDrafter(draft_model, c.num_speculative_tokens,
+                                    confidence=c.draft_confidence)
 
     def warmup(self) -> int:
         """Compile (and with ``cuda_graphs`` capture) every decode shape the scheduler can

@@ -20,7 +20,21 @@ from __future__ import annotations
 
 import time
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft:SOURCE")
+
+
+def check_speculative(method: str | None) -> None:
+    """ValueError naming the choices when ``method`` is not a speculative method.
+
+    Example:
+        >>> check_speculative("draft:smollm2"); check_speculative("mtp")
+        Traceback (most recent call last):
+        ...
+        ValueError: --speculative: expected one of ('ngram', 'draft:SOURCE'), got 'mtp'
+    """
+    if method is not None and method != "ngram" and not method.startswith("draft:"):
+        raise ValueError(f"--speculative: expected one of {SPECULATIVE_METHODS}, got "
+                         f"{method!r}")
 
 
 def ngram_drafts(tokens: list[int], k: int, *, max_n: int = 3, min_n: int = 1,
@@ -61,6 +75,8 @@ class NgramDrafter:
         []
     """
 
+    batches = True                  # free to draft: for every request of a decode batch
+
     def __init__(self, k: int):
         if k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
@@ -89,13 +105,15 @@ class NgramDrafter:
             self._wait = self._backoff
 
 
-class NgramSpeculator:
-    """The engine's speculative steps: each request's :class:`NgramDrafter`, up to ``k``
-    drafts a step."""
+class Speculator:
+    """The engine's speculative steps: each request's drafter (``new_drafter()``; default an
+    :class:`NgramDrafter`), up to ``k`` drafts a step. A drafter class whose ``batches`` is
+    False drafts only for a request decoding alone."""
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, new_drafter=None):
         self.k = k
-        self._drafters: dict[str, NgramDrafter] = {}
+        self.new_drafter = new_drafter or (lambda: NgramDrafter(k))
+        self._drafters: dict = {}
 
     def forget(self, request_id: str) -> None:
         self._drafters.pop(request_id, None)
@@ -116,7 +134,7 @@ class NgramSpeculator:
             return None
         r = engine.runner
         seqs = out.decodes
-        if len(seqs) > 1 and not r.verifies_as_batch:
+        if len(seqs) > 1 and not (r.verifies_as_batch and self._drafter(r, seqs[0]).batches):
             return None
         for seq in seqs:
             p = seq.params
@@ -127,30 +145,32 @@ class NgramSpeculator:
             return self._one(engine, out, seqs[0])
         return self._batch(engine, out, seqs)
 
-    def _drafter(self, r, seq) -> NgramDrafter:
+    def _drafter(self, r, seq):
         drafter = self._drafters.get(seq.request_id)
         if drafter is None:
-            drafter = self._drafters[seq.request_id] = NgramDrafter(self.k)
-            if r.fixed_shapes and not r.verifies_as_batch:
+            drafter = self._drafters[seq.request_id] = self.new_drafter()
+            if isinstance(drafter, NgramDrafter) and r.fixed_shapes and not r.verifies_as_batch:
                 # an eager verify against a compiled plain step: a miss costs about two
                 # steps, so draft only after a 3-token match (SmolLM2 int4-a8: prose 0.88x
                 # -> 1.02x, an edited function 1.14x -> 1.08x)
                 drafter.min_n = 3
         return drafter
 
-    def _drafts(self, engine, seq) -> list[int]:
+    def _drafts(self, engine, seq, most: int | None = None) -> list[int]:
         n = seq.num_computed_tokens
         room = min(seq.params.max_tokens - len(seq.output_ids) - 1,
-                   engine.scheduler.config.max_model_len - n - 1)
+                   engine.scheduler.config.max_model_len - n - 1, self.k if most is None else most)
         return self._drafter(engine.runner, seq).draft(seq.all_token_ids, room)
 
     def _one(self, engine, out, seq) -> list | None:
         r, n = engine.runner, seq.num_computed_tokens
-        drafts = self._drafts(engine, seq)
         widths = engine.scheduler.config.decode_widths
-        if r.verifies_as_batch:
-            # verified as a decode batch (Runner.verify): a width costs the same whatever
-            # share of its rows is real, and a wider one more, so keep what fills one
+        # verified as a decode batch (Runner.verify): a width costs the same whatever share
+        # of its rows is real, and a wider one more, so draft no more than k fill
+        most = max((w for w in widths if w <= self.k + 1), default=1) - 1 \
+            if r.verifies_as_batch else self.k
+        drafts = self._drafts(engine, seq, most)
+        if r.verifies_as_batch:     # keep what fills a width
             fill = max((w for w in widths if w <= len(drafts) + 1), default=1)
             drafts = drafts[:fill - 1]
         if not drafts or not engine.scheduler.reserve_ahead(seq, n + len(drafts) + 1):

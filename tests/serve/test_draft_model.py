@@ -1,0 +1,138 @@
+"""Speculative decoding with a draft model (``--speculative draft:SOURCE``): the output is
+the target's own greedy output, the draft model's state is taken back exactly after
+rejected drafts, and a draft that cannot draft for the target is refused naming why."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from hyla.data.tokenizer import ByteTokenizer
+from hyla.model import HylaLM, preset
+from hyla.model.generate import generate
+from hyla.serve.draft_model import ModelDrafter, check_draft_vocab
+from hyla.serve.engine import Engine, EngineConfig
+from hyla.serve.sequence import SamplingParams
+from hyla.serve.session import RunnerState
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+
+
+def _model(layers, seed=0, **kw):
+    torch.manual_seed(seed)
+    return HylaLM(dataclasses.replace(preset("debug"), layers=layers, **kw)).eval()
+
+
+def _near(model, noise, seed=1):
+    """A draft that mostly agrees with ``model``: its weights plus a little noise."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise * p.std().nan_to_num(0))
+    return draft
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 23, 40)]
+
+
+@pytest.mark.parametrize("target, draft", [("GGGA", "GGGA"), ("GDGA", "AA"), ("AA", "GA")])
+def test_output_is_the_target_s_greedy_output(target, draft):
+    """Drafts from a model near the target (some kept, some rejected) and from an unrelated
+    one (almost all rejected): token for token the target's greedy output, with the draft's
+    and the target's recurrent states taken back after each rejection."""
+    model = _model(target)
+    near = _near(model, 0.05) if draft == target else _model(draft, seed=4)
+    eng = Engine(model, ByteTokenizer(), EngineConfig(
+        max_model_len=128, speculative="draft:-", num_speculative_tokens=3,
+        draft_confidence=0.0), draft_model=near)
+    for prompt in _prompts():
+        (seq,) = eng.generate([prompt], GREEDY)
+        assert seq.output_ids == generate(model, prompt, 32, temperature=0)
+    drafted, kept = eng.stats["draft_tokens"], eng.stats["accepted_tokens"]
+    assert drafted > 0 and kept < drafted
+    if draft == target:
+        assert kept > drafted // 4
+
+
+@pytest.mark.parametrize("layers", ["GGGA", "AA", "GDGA"])
+def test_the_draft_state_is_taken_back_exactly(layers):
+    """After drafts the target partly rejected, the draft model's next logits are those of
+    a fresh state fed the true sequence: nothing rejected stays in its state."""
+    draft = _model(layers, seed=2)
+    drafter = ModelDrafter(draft, 4, confidence=0.0)
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, 256, (9,), generator=g).tolist()
+    for _ in range(12):
+        drafts = drafter.draft(seq, room=4)
+        kept = int(torch.randint(0, len(drafts) + 1, (1,), generator=g))
+        drafter.feedback(kept, len(drafts))
+        seq += drafts[:kept] + [int(torch.randint(0, 256, (1,), generator=g))]
+    with torch.inference_mode():
+        got = drafter._sync(seq)
+        want = RunnerState(draft).prefill(seq)
+    assert drafter.state.num_tokens == len(seq) == len(drafter.fed)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_unsure_drafts_are_not_drafted():
+    """At confidence 0.99 a random model (nearly uniform) drafts nothing; at 0 it drafts k."""
+    draft = _model("GGGA")
+    assert ModelDrafter(draft, 3, confidence=0.99).draft([1, 2, 3], room=8) == []
+    assert len(ModelDrafter(draft, 3, confidence=0.0).draft([1, 2, 3], room=8)) == 3
+    assert ModelDrafter(draft, 3, confidence=0.0).draft([1, 2, 3], room=0) == []
+
+
+def test_streamed_generation_with_a_draft_model_is_plain_greedy():
+    """``hyla generate``'s and ``hyla chat``'s loop with a draft model."""
+    from hyla.model.stream import stream_tokens
+
+    model = _model("GDGA")
+    prompt = _prompts()[1]
+    want = list(stream_tokens(model, RunnerState(model), prompt, 30, temperature=0))
+    drafter = ModelDrafter(_near(model, 0.05), 4, confidence=0.0)
+    got = list(stream_tokens(model, RunnerState(model), prompt, 30, temperature=0,
+                             drafter=drafter))
+    assert got == want and 0 < drafter.accepted < drafter.drafted
+
+
+def test_a_draft_that_cannot_draft_for_the_target_is_refused():
+    model = _model("GGGA")
+
+    class Other(ByteTokenizer):
+        def encode(self, text):
+            return [t ^ 1 for t in super().encode(text)]
+    with pytest.raises(ValueError, match="tokenizer differs from the target's"):
+        check_draft_vocab(model, Other(), model, ByteTokenizer())
+    wider = _model("GGGA", vocab_size=512)
+    with pytest.raises(ValueError, match="vocabulary has 512 tokens, the target's 256"):
+        check_draft_vocab(wider, None, model, None)
+    with pytest.raises(ValueError, match="draft:SOURCE needs a model after 'draft:'"):
+        Engine(model, None, EngineConfig(speculative="draft:"))
+    with pytest.raises(ValueError, match=r"expected one of \('ngram', 'draft:SOURCE'\)"):
+        Engine(model, None, EngineConfig(speculative="mtp"))
+    with pytest.raises(ValueError, match="confidence must be in"):
+        ModelDrafter(model, 2, confidence=1.0)
+
+
+def test_cancels_mid_speculation_free_the_draft_state():
+    """Requests cancelled between speculative steps leave no drafter behind, every slot and
+    block free, and later requests decode exactly."""
+    model = _model("GGGA")
+    eng = Engine(model, ByteTokenizer(), EngineConfig(
+        max_model_len=128, max_num_seqs=1, speculative="draft:-", num_speculative_tokens=2,
+        draft_confidence=0.0), draft_model=_near(model, 0.05))
+    prompts = _prompts()
+    for i in range(20):
+        seq = eng.add_request(prompts[i % 3], GREEDY)
+        for _ in range(i % 4 + 1):
+            eng.step()
+        eng.abort(seq.request_id)
+    assert eng.stats["draft_tokens"] > 0
+    assert not eng.speculator._drafters
+    assert eng.scheduler.pool.num_used == 0
+    (seq,) = eng.generate([prompts[2]], GREEDY)
+    assert seq.output_ids == generate(model, prompts[2], 32, temperature=0)
