@@ -19,7 +19,7 @@ from hyla.model.model import HylaLM
 from hyla.model.sampler import TokenLogprob, accept_drafts, sample
 from hyla.ops.hardware import fast_low_precision_matmul
 from hyla.serve.detokenizer import IncrementalText
-from hyla.serve.draft_model import DRAFT_PREFIX, ModelDrafter, load_draft
+from hyla.serve.draft_model import DRAFT_PREFIX, DraftSlots, ModelDrafter, load_draft
 from hyla.serve.penalties import apply_penalties
 from hyla.serve.runner import Runner
 from hyla.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -69,8 +69,9 @@ class EngineConfig:
     # "draft:SOURCE" (a draft model sharing the tokenizer; a request decoding alone)
     speculative: str | None = None
     num_speculative_tokens: int = 4
-    # draft:SOURCE drafts no token the draft model gives a probability under this
-    draft_confidence: float = 0.4
+    # draft:SOURCE drafts no token the draft model gives a probability under this (0: k
+    # drafts a step; hyla.serve.draft_model says why)
+    draft_confidence: float = 0.0
     # logits [B, V], per-row params and generators -> (tokens, logprobs); the same sampler
     # as hyla.model.generate by default
     sampler: Callable = sample
@@ -237,6 +238,7 @@ class Engine:
         self._generators: dict[str, torch.Generator] = {}
         self._prefill_only: dict[str, SamplingParams] = {}    # rid -> the caller's params
         self._prompt_lps: dict[str, list[TokenLogprob | None]] = {}   # scored so far
+        self.draft_slots: DraftSlots | None = None     # draft:SOURCE's states
         self.speculator = None if c.speculative is None else Speculator(
             c.num_speculative_tokens, self._new_drafter(draft_model))
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
@@ -351,8 +353,12 @@ class Engine:
         if draft_model is None:
             draft_model = load_draft(c.speculative[len(DRAFT_PREFIX):], self.model,
                                      self.tokenizer)
+        # its states: two sequences' worth (a request decoding alone drafts; the slot of
+        # one that waits its turn long enough goes to the next), compiled where ours is
+        self.draft_slots = DraftSlots(draft_model, max_model_len=c.max_model_len,
+                                      block_size=c.block_size, compile=c.compile)
         return lambda: ModelDrafter(draft_model, c.num_speculative_tokens,
-                                    confidence=c.draft_confidence)
+                                    confidence=c.draft_confidence, slots=self.draft_slots)
 
     def warmup(self) -> int:
         """Compile (and with ``cuda_graphs`` capture) every decode shape the scheduler can
@@ -365,8 +371,11 @@ class Engine:
         verify_widths = ()
         if self.speculator is not None:     # the widths k drafts and their token fill
             verify_widths = tuple(w for w in widths if 1 < w <= c.num_speculative_tokens + 1)
-        return self.runner.warmup(widths, -(-c.max_model_len // c.block_size),
-                                  verify_widths=verify_widths)
+        built = self.runner.warmup(widths, -(-c.max_model_len // c.block_size),
+                                   verify_widths=verify_widths)
+        if self.draft_slots is not None:
+            built += self.draft_slots.warmup()
+        return built
 
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:

@@ -116,7 +116,9 @@ class Speculator:
         self._drafters: dict = {}
 
     def forget(self, request_id: str) -> None:
-        self._drafters.pop(request_id, None)
+        drafter = self._drafters.pop(request_id, None)
+        if drafter is not None and hasattr(drafter, "close"):
+            drafter.close()
 
     def step(self, engine, out) -> list | None:
         """A speculative step: n-gram drafts verified in one forward, the drafts the model

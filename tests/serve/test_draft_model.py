@@ -47,8 +47,7 @@ def test_output_is_the_target_s_greedy_output(target, draft):
     model = _model(target)
     near = _near(model, 0.05) if draft == target else _model(draft, seed=4)
     eng = Engine(model, ByteTokenizer(), EngineConfig(
-        max_model_len=128, speculative="draft:-", num_speculative_tokens=3,
-        draft_confidence=0.0), draft_model=near)
+        max_model_len=128, speculative="draft:-", num_speculative_tokens=3), draft_model=near)
     for prompt in _prompts():
         (seq,) = eng.generate([prompt], GREEDY)
         assert seq.output_ids == generate(model, prompt, 32, temperature=0)
@@ -63,7 +62,7 @@ def test_the_draft_state_is_taken_back_exactly(layers):
     """After drafts the target partly rejected, the draft model's next logits are those of
     a fresh state fed the true sequence: nothing rejected stays in its state."""
     draft = _model(layers, seed=2)
-    drafter = ModelDrafter(draft, 4, confidence=0.0)
+    drafter = ModelDrafter(draft, 4)
     g = torch.Generator().manual_seed(0)
     seq = torch.randint(0, 256, (9,), generator=g).tolist()
     for _ in range(12):
@@ -82,8 +81,8 @@ def test_unsure_drafts_are_not_drafted():
     """At confidence 0.99 a random model (nearly uniform) drafts nothing; at 0 it drafts k."""
     draft = _model("GGGA")
     assert ModelDrafter(draft, 3, confidence=0.99).draft([1, 2, 3], room=8) == []
-    assert len(ModelDrafter(draft, 3, confidence=0.0).draft([1, 2, 3], room=8)) == 3
-    assert ModelDrafter(draft, 3, confidence=0.0).draft([1, 2, 3], room=0) == []
+    assert len(ModelDrafter(draft, 3).draft([1, 2, 3], room=8)) == 3
+    assert ModelDrafter(draft, 3).draft([1, 2, 3], room=0) == []
 
 
 def test_streamed_generation_with_a_draft_model_is_plain_greedy():
@@ -93,7 +92,7 @@ def test_streamed_generation_with_a_draft_model_is_plain_greedy():
     model = _model("GDGA")
     prompt = _prompts()[1]
     want = list(stream_tokens(model, RunnerState(model), prompt, 30, temperature=0))
-    drafter = ModelDrafter(_near(model, 0.05), 4, confidence=0.0)
+    drafter = ModelDrafter(_near(model, 0.05), 4)
     got = list(stream_tokens(model, RunnerState(model), prompt, 30, temperature=0,
                              drafter=drafter))
     assert got == want and 0 < drafter.accepted < drafter.drafted
@@ -123,8 +122,8 @@ def test_cancels_mid_speculation_free_the_draft_state():
     block free, and later requests decode exactly."""
     model = _model("GGGA")
     eng = Engine(model, ByteTokenizer(), EngineConfig(
-        max_model_len=128, max_num_seqs=1, speculative="draft:-", num_speculative_tokens=2,
-        draft_confidence=0.0), draft_model=_near(model, 0.05))
+        max_model_len=128, max_num_seqs=1, speculative="draft:-", num_speculative_tokens=2),
+        draft_model=_near(model, 0.05))
     prompts = _prompts()
     for i in range(20):
         seq = eng.add_request(prompts[i % 3], GREEDY)
@@ -136,3 +135,42 @@ def test_cancels_mid_speculation_free_the_draft_state():
     assert eng.scheduler.pool.num_used == 0
     (seq,) = eng.generate([prompts[2]], GREEDY)
     assert seq.output_ids == generate(model, prompts[2], 32, temperature=0)
+
+
+@pytest.mark.parametrize("layers", ["GDGA", "AA"])
+def test_drafters_taking_turns_on_one_slot_draft_as_alone(layers):
+    """Two drafters sharing one draft slot in turn: each turn lends the slot to the other,
+    which starts again from its sequence, and drafts what a drafter of its own would."""
+    from hyla.serve.draft_model import DraftSlots
+
+    draft = _model(layers, seed=2)
+    slots = DraftSlots(draft, max_model_len=128, slots=1)
+    shared = [ModelDrafter(draft, 3, slots=slots) for _ in range(2)]
+    alone = [ModelDrafter(draft, 3) for _ in range(2)]
+    seqs = [p[:9] for p in _prompts()[1:]]
+    for turn in range(6):
+        i = turn % 2
+        got, want = shared[i].draft(seqs[i], 3), alone[i].draft(seqs[i], 3)
+        assert got == want
+        seqs[i] = seqs[i] + got[:turn % 3] + [turn]
+    assert slots._owner[0] is shared[1]
+    shared[1].close()
+    assert slots._free == [0] and not slots._owner
+
+
+def test_a_compiled_engine_drafts_on_a_compiled_draft_step():
+    """Compiled (fixed shapes): the draft's one-row step is built by the warm-up and the
+    output stays the target's greedy output."""
+    model = _model("AA")
+    eng = Engine(model, ByteTokenizer(), EngineConfig(
+        max_model_len=64, max_num_seqs=2, speculative="draft:-", num_speculative_tokens=3,
+        compile=True),
+        draft_model=_near(model, 0.05))
+    eng.warmup()
+    assert 1 in eng.draft_slots.runner.built_widths
+    built = eng.draft_slots.runner.num_compilations
+    prompt = _prompts()[1]
+    (seq,) = eng.generate([prompt], GREEDY)
+    assert seq.output_ids == generate(model, prompt, 32, temperature=0)
+    assert eng.stats["accepted_tokens"] > 0
+    assert eng.draft_slots.runner.num_compilations == built
