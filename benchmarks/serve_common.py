@@ -64,14 +64,16 @@ def greedy(tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
 
 
-def served_smollm2(quantize: str = "auto"):
-    """SmolLM2-135M-Instruct Q4_1 quantised as ``hyla serve --quantize`` takes it: (model,
-    tokenizer, the scheme run, why it is not the one asked, or "")."""
+def served_smollm2(quantize: str = "auto", dtype=None):
+    """SmolLM2-135M-Instruct Q4_1 (in ``dtype``, default its own) quantised as ``hyla serve
+    --quantize`` takes it: (model, tokenizer, the scheme run, why it is not the one asked,
+    or "")."""
     from hyla.cli.model_flags import resolve_quantize
     from hyla.model.load import load_model
     from hyla.model.quantize import quantize_model
 
     model, tok = load_model("smollm2")
+    model = model if dtype is None else model.to(dtype)
     scheme, why = resolve_quantize(model, quantize)
     quantize_model(model, scheme)
     return model, tok, scheme, why

@@ -32,6 +32,8 @@ from hyla.serve.session import RunnerState
 def add_args(p) -> None:
     p.add_argument("--target-quantize", default="none", help="the target's scheme "
                    "(%(default)s)")
+    p.add_argument("--target-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the target's dtype (%(default)s; the draft takes it too)")
     p.add_argument("--draft-quantize", default="auto", help="the draft's scheme "
                    "(%(default)s)")
     p.add_argument("--tokens", type=int, default=112, help="tokens a request (%(default)s)")
@@ -52,8 +54,9 @@ def main(run) -> None:
     a = run.args
     torch.set_num_threads(a.threads or 1)
     tokens = 48 if a.quick else a.tokens
-    model, tok, target_scheme, _ = served_smollm2(a.target_quantize)
-    draft, _, draft_scheme, _ = served_smollm2(a.draft_quantize)
+    dtype = getattr(torch, a.target_dtype)
+    model, tok, target_scheme, _ = served_smollm2(a.target_quantize, dtype)
+    draft, _, draft_scheme, _ = served_smollm2(a.draft_quantize, dtype)
     # max_num_seqs 8: the decode widths (1, 2, 4, 8) a compiled verify of k + 1 tokens takes
     common = dict(max_num_seqs=8, max_model_len=1024, compile=a.compile)
     engines = {"plain": Engine(model, tok, EngineConfig(**common)),
@@ -97,8 +100,9 @@ def main(run) -> None:
                      "generate_same_tokens": streamed["plain"][0][1] == streamed["draft"][0][1]})
         run.progress(f"{task}: {tok.decode(outs['draft'])[:120]!r}")
     run.table(f"one greedy request, {tokens} tokens, k = {a.k}, target {target_scheme}, "
-              f"draft {draft_scheme}" + ", compiled" * a.compile, rows)
-    run.save(rows, name="speculative_draft" + "_compiled" * a.compile + "_quick" * a.quick,
+              f"draft {draft_scheme}, {a.target_dtype}" + ", compiled" * a.compile, rows)
+    run.save(rows, name="speculative_draft" + f"_{a.target_dtype}" * (dtype != torch.float32)
+             + "_compiled" * a.compile + "_quick" * a.quick, dtype=a.target_dtype,
              target=target_scheme, draft=draft_scheme, k=a.k, compile=a.compile,
              tokens=tokens, summary="; ".join(
                  f"{r['task']}: draft model {r['draft_speedup']:.2f}x ({r['draft_tok_s']:.1f} "

@@ -212,7 +212,8 @@ class AsyncEngine:
             return False
         old = self.engine
         try:
-            self.engine = type(old)(old.model, old.tokenizer, old.config)
+            self.engine = type(old)(old.model, old.tokenizer, old.config,
+                                    draft_model=old.draft_model)
         except Exception as e:  # noqa: BLE001
             self._die(e)
             return False

@@ -238,7 +238,8 @@ class Engine:
         self._generators: dict[str, torch.Generator] = {}
         self._prefill_only: dict[str, SamplingParams] = {}    # rid -> the caller's params
         self._prompt_lps: dict[str, list[TokenLogprob | None]] = {}   # scored so far
-        self.draft_slots: DraftSlots | None = None     # draft:SOURCE's states
+        self.draft_model: HylaLM | None = None
+        self.draft_slots: DraftSlots | None = None     # draft:SOURCE's model and states
         self.speculator = None if c.speculative is None else Speculator(
             c.num_speculative_tokens, self._new_drafter(draft_model))
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
@@ -353,6 +354,7 @@ class Engine:
         if draft_model is None:
             draft_model = load_draft(c.speculative[len(DRAFT_PREFIX):], self.model,
                                      self.tokenizer)
+        self.draft_model = draft_model     # a restarted engine takes it again
         # its states: two sequences' worth (a request decoding alone drafts; the slot of
         # one that waits its turn long enough goes to the next), compiled where ours is
         self.draft_slots = DraftSlots(draft_model, max_model_len=c.max_model_len,

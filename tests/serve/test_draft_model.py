@@ -174,3 +174,23 @@ def test_a_compiled_engine_drafts_on_a_compiled_draft_step():
     assert seq.output_ids == generate(model, prompt, 32, temperature=0)
     assert eng.stats["accepted_tokens"] > 0
     assert eng.draft_slots.runner.num_compilations == built
+
+
+def test_a_restarted_engine_keeps_its_draft_model():
+    """After a failed step the server's engine is rebuilt: with the draft model it had (not
+    SOURCE loaded again, unquantised), and it drafts as before."""
+    from hyla.serve.async_engine import AsyncEngine
+
+    model = _model("GGGA")
+    draft = _near(model, 0.05)
+    ae = AsyncEngine(Engine(model, ByteTokenizer(), EngineConfig(
+        max_model_len=128, speculative="draft:/no/such/model"), draft_model=draft))
+    try:
+        assert ae._restart(RuntimeError("simulated forward failure"))
+        assert ae.engine.draft_model is draft and ae.restarts == 1
+    finally:
+        ae.shutdown()
+    prompt = _prompts()[1]
+    (seq,) = ae.engine.generate([prompt], GREEDY)
+    assert seq.output_ids == generate(model, prompt, 32, temperature=0)
+    assert ae.engine.stats["accepted_tokens"] > 0
