@@ -194,3 +194,16 @@ def test_a_restarted_engine_keeps_its_draft_model():
     (seq,) = ae.engine.generate([prompt], GREEDY)
     assert seq.output_ids == generate(model, prompt, 32, temperature=0)
     assert ae.engine.stats["accepted_tokens"] > 0
+
+
+def test_the_memory_breakdown_counts_the_draft_model():
+    from hyla.serve.memory_report import breakdown, describe
+
+    model = _model("GGGA")
+    draft = _model("AA", seed=3)
+    eng = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=64, speculative="draft:-"),
+                 draft_model=draft)
+    parts = breakdown(eng)
+    assert parts["draft_model"] == sum(p.numel() * p.element_size() for p in draft.parameters())
+    assert "+ draft model" in describe(parts)
+    assert "draft model" not in describe(breakdown(Engine(model, ByteTokenizer())))
