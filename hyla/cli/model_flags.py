@@ -102,7 +102,8 @@ def drafter(args: argparse.Namespace, model, tok, out: Console | None = None):
         return None
     if method == "ngram":
         return NgramDrafter(args.num_speculative_tokens)
-    return ModelDrafter(draft_model(args, model, tok, out), args.num_speculative_tokens)
+    return ModelDrafter(draft_model(args, model, tok, out), args.num_speculative_tokens,
+                        vocab=model.cfg.vocab_size)
 
 
 def draft_model(args: argparse.Namespace, model, tok, out: Console | None = None):

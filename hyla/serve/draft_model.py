@@ -4,9 +4,11 @@ tokens ahead on its own state, the target verifies them in one forward, and the 
 the target's own.
 
 Each sequence's :class:`ModelDrafter` keeps the draft model's state in a one-slot
-:class:`~hyla.serve.session.RunnerState`. After a verify, the tokens it fed that the target
-rejected are taken back: attention rows by moving the length back (rows past it are
-overwritten), a fixed-size recurrent state by restoring the copy taken before the drafts.
+:class:`~hyla.serve.session.RunnerState` (``hyla generate`` and ``hyla chat``) or in a slot
+of the engine's shared :class:`DraftSlots` (``hyla serve``). After a verify, the tokens it
+fed that the target rejected are taken back: attention rows by moving the length back (rows
+past it are overwritten), a fixed-size recurrent state by restoring the copy taken before
+the drafts.
 Drafting can stop early at a token the draft model is unsure of (its probability under
 ``confidence``; transformers' assisted generation stops under 0.4, llama.cpp under 0.75): a
 draft that is likely wrong costs a verify row and a draft step for nothing. The default is
@@ -121,14 +123,16 @@ class ModelDrafter:
     batches = False
 
     def __init__(self, model: HylaLM, k: int, *, confidence: float = 0.0,
-                 slots: DraftSlots | None = None):
+                 slots: DraftSlots | None = None, vocab: int | None = None):
         """``slots``: where its state lives (an engine's shared :class:`DraftSlots`; None: a
-        one-slot :class:`RunnerState` of its own)."""
+        one-slot :class:`RunnerState` of its own). ``vocab``: the target's vocabulary size
+        (drafting stops at a token past it: a draft's vocabulary may be padded wider)."""
         if k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
         if not 0 <= confidence < 1:
             raise ValueError(f"confidence must be in [0, 1), got {confidence}")
         self.model, self.k, self.confidence, self.slots = model, k, confidence, slots
+        self.vocab = vocab if vocab is not None else model.cfg.vocab_size
         self.state: RunnerState | SlotState | None = None
         self.fixed = any(spec.fixed for spec in model.state_specs)
         self.fed: list[int] = []            # the tokens the draft state holds
@@ -151,6 +155,8 @@ class ModelDrafter:
                     break
             else:
                 token = logits.argmax()
+            if int(token) >= self.vocab:
+                break
             drafts.append(int(token))
             if len(drafts) == n:
                 break

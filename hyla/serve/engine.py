@@ -360,7 +360,8 @@ class Engine:
         self.draft_slots = DraftSlots(draft_model, max_model_len=c.max_model_len,
                                       block_size=c.block_size, compile=c.compile)
         return lambda: ModelDrafter(draft_model, c.num_speculative_tokens,
-                                    confidence=c.draft_confidence, slots=self.draft_slots)
+                                    confidence=c.draft_confidence, slots=self.draft_slots,
+                                    vocab=self.model.cfg.vocab_size)
 
     def warmup(self) -> int:
         """Compile (and with ``cuda_graphs`` capture) every decode shape the scheduler can

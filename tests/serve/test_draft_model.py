@@ -207,3 +207,19 @@ def test_the_memory_breakdown_counts_the_draft_model():
     assert parts["draft_model"] == sum(p.numel() * p.element_size() for p in draft.parameters())
     assert "+ draft model" in describe(parts)
     assert "draft model" not in describe(breakdown(Engine(model, ByteTokenizer())))
+
+
+def test_a_draft_with_a_wider_vocabulary_drafts_only_the_target_s_tokens():
+    """A draft whose vocabulary is padded wider (its tokenizer the target's) never drafts a
+    token past the target's vocabulary: the engine's output stays the target's greedy one."""
+    model = _model("AA")
+    wide = _model("AA", seed=5, vocab_size=512)
+    wider = [ModelDrafter(wide, 3).draft(p, room=8) for p in _prompts()]
+    assert any(t >= 256 for d in wider for t in d)      # what the cut-off has to stop
+    for p in _prompts():
+        drafts = ModelDrafter(wide, 3, vocab=256).draft(p, room=8)
+        assert all(t < 256 for t in drafts)
+    eng = Engine(model, ByteTokenizer(), EngineConfig(max_model_len=128, speculative="draft:-"),
+                 draft_model=wide)
+    (seq,) = eng.generate([_prompts()[1]], GREEDY)
+    assert seq.output_ids == generate(model, _prompts()[1], 32, temperature=0)
