@@ -117,6 +117,7 @@ class Conversation:
         self.state = None        # built on the first turn
         self.rendered = ""       # the text the state has read (and the pending token's)
         self.pending: list[int] = []   # sampled last, not yet fed
+        self.read: list[int] = []      # the ids the state has read (what drafters look at)
 
     def reply(self, text: str):
         """Add the user's ``text`` and yield the reply's text in pieces as it comes."""
@@ -129,7 +130,7 @@ class Conversation:
         prompt, stops = self._render(self.tok, self.messages)
         reread = self.state is None or not prompt.startswith(self.rendered)
         if reread:
-            self.state, self.pending = RunnerState(self.model), []
+            self.state, self.pending, self.read = RunnerState(self.model), [], []
             new_ids = self.tok.encode(prompt)
         else:
             new_ids = self.pending + self._encode_more(prompt[len(self.rendered):])
@@ -142,7 +143,8 @@ class Conversation:
                                        generator=self.generator, stop_ids=self.stop_ids,
                                        timing=timing, **self.sampling,
                                        constraint=self.grammar and TokenConstraint(
-                                           *self.grammar), drafter=self.drafter):
+                                           *self.grammar), drafter=self.drafter,
+                                       context=self.read):
                 ids.append(token)
                 piece = detok.add(ids)
                 if piece:
@@ -168,6 +170,7 @@ class Conversation:
             # the state read the prompt and the reply but its last token, kept pending; a
             # stop token was not fed, and the template's closing of the reply is next turn's
             self.pending = [] if timing.stopped or not ids else [ids[-1]]
+            self.read = self.read + new_ids + ids[:len(ids) - len(self.pending)]
             self.rendered = prompt + self.tok.decode(ids)
 
     def _encode_more(self, text: str) -> list[int]:

@@ -68,7 +68,7 @@ def stream_tokens(model: HylaLM, state, new_ids: list[int],
                   top_p: float = 1.0, generator: torch.Generator | None = None,
                   stop_ids: tuple[int, ...] | list[int] = (),
                   timing: StreamTiming | None = None, constraint=None,
-                  drafter=None) -> Iterator[int]:
+                  drafter=None, context: list[int] | tuple[int, ...] = ()) -> Iterator[int]:
     """Prefill ``new_ids`` onto ``state`` (after whatever it holds), then yield up to
     ``max_new_tokens`` sampled tokens, stopping before the first one in ``stop_ids``.
 
@@ -82,7 +82,8 @@ def stream_tokens(model: HylaLM, state, new_ids: list[int],
     stream over a state with ``speculate(token, drafts)``, e.g.
     :class:`hyla.serve.speculative.NgramDrafter` over a RunnerState): its ``draft(tokens,
     room)`` guesses what follows, the state verifies the guesses in one forward, and the
-    tokens come out as plain greedy steps would give them.
+    tokens come out as plain greedy steps would give them. ``context``: the tokens ``state``
+    already holds (what the drafter looks at before ``new_ids``: a chat's earlier turns).
     """
     if not new_ids:
         raise ValueError("new_ids must hold at least one token, got []")
@@ -115,7 +116,7 @@ def stream_tokens(model: HylaLM, state, new_ids: list[int],
     start = time.perf_counter()
     speculating = drafter is not None and constraint is None and temperature < 1e-5 \
         and hasattr(state, "speculate")
-    seen = list(new_ids)
+    seen = list(context) + list(new_ids)
     ahead: list[int] = []           # verified drafts, yielded before the next step
     while True:
         if token in stop:

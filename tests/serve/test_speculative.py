@@ -322,15 +322,29 @@ def test_streamed_generation_with_drafts_is_plain_greedy(layers, k):
 
 def test_chat_with_speculation_keeps_its_state_between_turns():
     from hyla.cli.chat import Conversation
+    from hyla.serve.draft_model import ModelDrafter
     from hyla.serve.speculative import NgramDrafter
+
+    class Seen(NgramDrafter):
+        """Records what it was shown."""
+        def draft(self, tokens, room):
+            self.shown = list(tokens)
+            return super().draft(tokens, room)
 
     model = _model("GGGA")
     replies = []
-    for d in (None, NgramDrafter(4)):
+    for d in (None, Seen(4), ModelDrafter(_model("GGGA", seed=1), 3)):
         chat = Conversation(model, ByteTokenizer(), max_tokens=24, temperature=0, drafter=d)
-        replies.append(["".join(chat.reply(t)) for t in ("abcabcabc", "abcabc again")])
+        turns = ["".join(chat.reply("abcabcabc"))]
+        first = list(chat.read)
+        assert len(first) == chat.state.num_tokens
+        turns.append("".join(chat.reply("abcabc again")))
+        assert len(chat.read) == chat.state.num_tokens and chat.read[:len(first)] == first
+        if isinstance(d, Seen):     # the drafter saw the whole conversation, turn 1 too
+            assert d.shown[:len(first)] == first
+        replies.append(turns)
         assert not chat.last["reread"]
-    assert replies[0] == replies[1]
+    assert replies[0] == replies[1] == replies[2]
 
 
 def test_sampled_drafts_keep_the_model_s_distribution():
