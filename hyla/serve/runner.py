@@ -259,15 +259,28 @@ class Runner:
         decode batch of the one sequence at consecutive positions instead (SmolLM2 in
         float, 4 tokens: 75.6 ms at width 4 against 90.8 ms eager; Xeon, one thread)."""
         width = next((w for w in widths if w >= len(tokens)), None)
+        n = len(tokens)
         if width is not None and self.verifies_as_batch and self.verify_graph_built(width):
-            n = len(tokens)
             return self._decode([slot] * n, tokens, list(range(start, start + n)),
                                 [block_table] * n, width, True, one_row=self.quantised)
+        if not self.fixed_shapes and not any(spec.fixed for spec in self.specs):
+            # eager, every state growing per token: the rows as an eager decode batch, so
+            # each takes a plain step's attention and products (a prefill chunk's attention
+            # rounds otherwise; through bf16 activations that parted a greedy SmolLM2 int4
+            # answer from plain decoding's at token 45 in hyla generate)
+            return self._decode([slot] * n, tokens, list(range(start, start + n)),
+                                [block_table] * n, n, False, one_row=self.quantised)
+        from hyla.model.quantize import one_row_products
+
         ids = torch.tensor(tokens, device=self.device)
         ctx = Context.prefill([start], [len(tokens)], [slot], [block_table], self.buffers,
                               block_size=self.block_size, pad_block=self.pad_block,
                               device=self.device, last_logits=False)
-        return self.model(ids[None], ctx)[0].float()
+        # quantised: each row in the products one row takes (a plain step's), not a
+        # chunk's (the output layer's fbgemm int8 products, say): else a greedy choice at
+        # a near-tie depends on the drafts (found: SmolLM2 int4-a8 in hyla generate)
+        with one_row_products(self.quantised):
+            return self.model(ids[None], ctx)[0].float()
 
     @torch.inference_mode()
     def verify_batch(self, rows: list[tuple[int, list[int], int, list[int]]],
@@ -460,6 +473,11 @@ class Runner:
             spans = None
             if self.kv_in_place and nb and B <= SPAN_MAX_BATCH:
                 spans = kv_spans(block_tables, positions, self.block_size)
+            if one_row:
+                from hyla.model.quantize import one_row_products
+
+                with one_row_products():
+                    return self._decode_impl(*args, span=span, kv_spans=spans)
             return self._decode_impl(*args, span=span, kv_spans=spans)
         from torch._dynamo.utils import counters
 

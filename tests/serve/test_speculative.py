@@ -386,3 +386,31 @@ def test_sampled_requests_speculate_and_repeat_with_a_seed(monkeypatch):
     a, b = (eng.generate([prompt], params)[0] for _ in range(2))
     assert a.output_ids == b.output_ids and len(a.output_ids) == 30
     assert eng.stats["draft_tokens"] > 0 and eng.scheduler.pool.num_used == 0
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_an_eager_verify_leaves_the_state_plain_steps_leave(scheme):
+    """Eager, a quantised model whose states all grow per token verifies its drafts as a
+    decode batch of the one sequence, each row in a plain step's attention and one row's
+    products: the keys and values it leaves are bitwise those of plain greedy steps (a
+    prefill chunk's attention rounded otherwise, and through bf16 activations a greedy
+    SmolLM2 int4 answer parted). (Float32 matmuls of several rows round otherwise than one
+    row's, ~1e-5 here: not bitwise.)"""
+    from hyla.model.quantize import quantize_model
+    from hyla.model.stream import stream_tokens
+    from hyla.serve.session import RunnerState
+
+    model = _model("AA")
+    quantize_model(model, scheme)
+    prompt = _repetitive()
+    states = [RunnerState(model), RunnerState(model)]
+    oracle = _Oracle(list(stream_tokens(model, RunnerState(model), prompt, 30, temperature=0)),
+                     len(prompt), 3)
+    plain = list(stream_tokens(model, states[0], prompt, 30, temperature=0))
+    spec = list(stream_tokens(model, states[1], prompt, 30, temperature=0, drafter=oracle))
+    assert plain == spec and 0 < oracle.accepted < oracle.drafted
+    n = states[0].num_tokens
+    for a, b in zip(states[0].runner.buffers, states[1].runner.buffers, strict=True):
+        for name in a:
+            rows = [t.reshape(-1, *t.shape[2:])[:n] for t in (a[name], b[name])]
+            assert torch.equal(*rows), name
