@@ -210,11 +210,11 @@ def cmd_chat(args: argparse.Namespace, out: Console) -> int:
     err.print(f"[bold]{name}[/] loaded in {time.perf_counter() - start:.1f} s. "
               f"{state_note(model)}")
     err.print("[dim]/reset starts over, /exit or Ctrl-D ends, Ctrl-C stops a reply[/]")
+    draft = drafter(args, model, tok, err)
     try:
         chat = Conversation(model, tok, system=args.system, max_tokens=args.max_tokens,
                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            seed=args.seed, json_schema=schema,
-                            drafter=drafter(args, model, tok, err))
+                            seed=args.seed, json_schema=schema, drafter=draft)
     except ValueError as e:
         raise ValueError(f"--json-schema {args.json_schema}: {e}") from None
     tty = sys.stdin.isatty()

@@ -164,10 +164,10 @@ def speculative_method(value: str) -> str:
         check_speculative(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative: ")) from None
-    if value == "draft:":
-        raise argparse.ArgumentTypeError("draft:SOURCE needs a model after 'draft:' (a "
-                                         "checkpoint, a GGUF or safetensors file, or a known "
-                                         "name such as smollm2)")
+    if not value.removeprefix("draft:").strip() and value != "ngram":
+        raise argparse.ArgumentTypeError("draft:SOURCE needs a model after 'draft:' (a hyla "
+                                         "or transformers checkpoint directory, a GGUF file, "
+                                         "or a known name such as smollm2)")
     return value
 
 
@@ -180,9 +180,8 @@ def add_speculative(p: argparse.ArgumentParser, applies: str) -> None:
                    metavar="{ngram,draft:SOURCE}",
                    help=f"speculative decoding ({applies}): ngram drafts tokens by looking "
                         f"the last few up earlier in the text; draft:SOURCE has a smaller (or "
-                        f"quantised) model sharing the tokenizer draft them (a request "
-                        f"decoding alone). The drafts are verified in one forward: the output "
-                        f"stays the model's own")
+                        f"quantised) model sharing the tokenizer draft them. The drafts are "
+                        f"verified in one forward: the output stays the model's own")
     p.add_argument("--num-speculative-tokens", type=positive, default=4, metavar="N",
                    help="drafts a step with --speculative (default: %(default)s)")
     p.add_argument("--draft-quantize", choices=("auto", *SCHEMES), default="auto",

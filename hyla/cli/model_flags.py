@@ -100,6 +100,11 @@ def drafter(args: argparse.Namespace, model, tok, out: Console | None = None):
     method = getattr(args, "speculative", None)
     if method is None:
         return None
+    if getattr(args, "temperature", 0) > 0:     # generate's and chat's loop: greedy only
+        if out is not None:
+            out.print(f"--speculative {method}: not used (it speeds up greedy decoding, "
+                      f"--temperature 0; this is {args.temperature})")
+        return None
     if method == "ngram":
         return NgramDrafter(args.num_speculative_tokens)
     return ModelDrafter(draft_model(args, model, tok, out), args.num_speculative_tokens,
@@ -119,8 +124,10 @@ def draft_model(args: argparse.Namespace, model, tok, out: Console | None = None
     scheme, why = resolve_quantize(draft, getattr(args, "draft_quantize", "auto"))
     report = quantize_model(draft, scheme)
     if out is not None:
-        out.print(f"draft model {method[len(DRAFT_PREFIX):]}: weights {scheme}"
-                  + (f" ({format_bytes(report.bytes_after)})" if scheme != "none" else "")
+        size = report.bytes_after if scheme != "none" else sum(
+            p.numel() * p.element_size() for p in draft.parameters())
+        out.print(f"draft model {method[len(DRAFT_PREFIX):].strip()}: weights {scheme} "
+                  f"({format_bytes(size)})"
                   + (f"; {why.replace('--quantize', '--draft-quantize', 1)}" if why else ""))
     return draft
 

@@ -125,7 +125,8 @@ def add_serve(sub) -> argparse.ArgumentParser:
                    help="bytes for those snapshots (2G, 512MB, or a fraction of RAM), least "
                         "recently used evicted first (default: 8 per --max-num-seqs within 256 "
                         "MiB, at least one per sequence)")
-    add_speculative(p, "for a request decoding alone")
+    add_speculative(p, "draft:SOURCE for a request decoding alone; ngram for several "
+                       "decoding together too, on a compiled model without fixed-size state")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--compile", action="store_true",
                       help="torch.compile the decode step, one graph a batch width, built in "

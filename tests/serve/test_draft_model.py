@@ -223,3 +223,64 @@ def test_a_draft_with_a_wider_vocabulary_drafts_only_the_target_s_tokens():
                  draft_model=wide)
     (seq,) = eng.generate([_prompts()[1]], GREEDY)
     assert seq.output_ids == generate(model, _prompts()[1], 32, temperature=0)
+
+
+def test_tokenizers_that_agree_on_the_probe_but_not_elsewhere_are_told_apart():
+    """A probe text is not enough: one id's text, or the special ids, differing is found."""
+    from hyla.serve.draft_model import PROBE_TEXT, tokenizer_difference
+
+    class OneIdElsewhere(ByteTokenizer):
+        def decode(self, ids):
+            return "".join("x" if i == 200 else super(OneIdElsewhere, self).decode([i])
+                           for i in ids)
+
+    class OtherEnd(ByteTokenizer):
+        eos_id = 7
+
+    class SameEnd(ByteTokenizer):
+        eos_id = 1
+
+    plain = SameEnd()
+    assert 200 not in plain.encode(PROBE_TEXT)
+    assert tokenizer_difference(ByteTokenizer(), ByteTokenizer()) is None
+    assert "its token 200 is 'x'" in tokenizer_difference(OneIdElsewhere(), ByteTokenizer())
+    assert "its eos_id is 7, the target's 1" in tokenizer_difference(OtherEnd(), plain)
+    model = _model("GGGA")
+    with pytest.raises(ValueError, match=r"--speculative draft:d\.gguf: the draft model's "
+                                         r"tokenizer differs .*its token 200"):
+        check_draft_vocab(model, OneIdElsewhere(), model, ByteTokenizer(), "d.gguf")
+
+
+def test_a_draft_that_keeps_failing_backs_off():
+    """After verifies that keep none it drafts again only after 1, 2, 4 ... plain steps, and
+    at once after one that keeps some; the state catches up on the next draft."""
+    draft = _model("GDGA", seed=2)
+    d = ModelDrafter(draft, 2)
+    seq = _prompts()[1]
+    waits = []
+    for _ in range(4):
+        assert d.draft(seq, room=4)
+        d.feedback(0, 2)
+        seq = seq + [1]
+        n = 0
+        while not d.draft(seq, room=4):
+            n, seq = n + 1, seq + [2]
+        waits.append(n)
+    assert waits == [1, 2, 4, 8]
+    d.feedback(1, 2)
+    assert d.draft(seq + [3], room=4)
+    with torch.inference_mode():
+        torch.testing.assert_close(d._sync(seq + [3]), RunnerState(draft).prefill(seq + [3]),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_chat_names_the_flag_when_the_draft_cannot_load(capsys, monkeypatch):
+    import io
+
+    from hyla.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    assert main(["chat", "--preset", "debug", "--temperature", "0", "--speculative",
+                 "draft:/no/such/model"]) == 2
+    err = capsys.readouterr().err
+    assert "--speculative draft:/no/such/model: not found" in err and "json-schema" not in err
