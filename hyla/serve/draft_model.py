@@ -296,3 +296,21 @@ def load_draft(source: str, target: HylaLM, target_tok) -> HylaLM:
     model = model.to(target.anchor.dtype).eval()
     check_draft_vocab(model, tok, target, target_tok, source)
     return model
+
+
+def model_drafters(config, target: HylaLM, tokenizer, draft: HylaLM | None):
+    """(draft model, its :class:`DraftSlots`, what makes each request's drafter) for an
+    engine's ``config`` (:class:`~hyla.serve.engine.EngineConfig`): all None unless its
+    ``speculative`` is ``draft:SOURCE`` (``draft`` None: SOURCE loaded here, unquantised).
+    The slots: two sequences' worth (a request decoding alone drafts; the slot of one that
+    waits its turn long enough goes to the next), compiled where the engine is."""
+    c = config
+    if not (c.speculative or "").startswith(DRAFT_PREFIX):
+        return None, None, None
+    if draft is None:
+        draft = load_draft(c.speculative[len(DRAFT_PREFIX):], target, tokenizer)
+    slots = DraftSlots(draft, max_model_len=c.max_model_len, block_size=c.block_size,
+                       compile=c.compile)
+    return draft, slots, lambda: ModelDrafter(
+        draft, c.num_speculative_tokens, confidence=c.draft_confidence, slots=slots,
+        vocab=target.cfg.vocab_size)

@@ -19,7 +19,7 @@ from hyla.model.model import HylaLM
 from hyla.model.sampler import TokenLogprob, accept_drafts, sample
 from hyla.ops.hardware import fast_low_precision_matmul
 from hyla.serve.detokenizer import IncrementalText
-from hyla.serve.draft_model import DRAFT_PREFIX, DraftSlots, ModelDrafter, load_draft
+from hyla.serve.draft_model import model_drafters
 from hyla.serve.penalties import apply_penalties
 from hyla.serve.runner import Runner
 from hyla.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -238,10 +238,11 @@ class Engine:
         self._generators: dict[str, torch.Generator] = {}
         self._prefill_only: dict[str, SamplingParams] = {}    # rid -> the caller's params
         self._prompt_lps: dict[str, list[TokenLogprob | None]] = {}   # scored so far
-        self.draft_model: HylaLM | None = None
-        self.draft_slots: DraftSlots | None = None     # draft:SOURCE's model and states
+        # draft:SOURCE's model (a restarted engine takes it again) and its states
+        self.draft_model, self.draft_slots, new_drafter = model_drafters(
+            c, model, tokenizer, draft_model)
         self.speculator = None if c.speculative is None else Speculator(
-            c.num_speculative_tokens, self._new_drafter(draft_model))
+            c.num_speculative_tokens, new_drafter)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                       "decode_steps": 0, "decode_time_s": 0.0, "prefill_time_s": 0.0,
                       "step_time_s": 0.0, "draft_tokens": 0, "accepted_tokens": 0}
@@ -345,23 +346,6 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
-
-    def _new_drafter(self, draft_model: HylaLM | None):
-        """What makes each request's drafter for ``config.speculative`` (None: n-grams)."""
-        c = self.config
-        if not c.speculative.startswith(DRAFT_PREFIX):
-            return None
-        if draft_model is None:
-            draft_model = load_draft(c.speculative[len(DRAFT_PREFIX):], self.model,
-                                     self.tokenizer)
-        self.draft_model = draft_model     # a restarted engine takes it again
-        # its states: two sequences' worth (a request decoding alone drafts; the slot of
-        # one that waits its turn long enough goes to the next), compiled where ours is
-        self.draft_slots = DraftSlots(draft_model, max_model_len=c.max_model_len,
-                                      block_size=c.block_size, compile=c.compile)
-        return lambda: ModelDrafter(draft_model, c.num_speculative_tokens,
-                                    confidence=c.draft_confidence, slots=self.draft_slots,
-                                    vocab=self.model.cfg.vocab_size)
 
     def warmup(self) -> int:
         """Compile (and with ``cuda_graphs`` capture) every decode shape the scheduler can
