@@ -94,6 +94,7 @@ class Runner:
         self.pad_block = num_kv_blocks
         self.specs = model.state_specs
         self.has_growing = any(spec.per_token for spec in self.specs)
+        self.has_fixed = any(spec.fixed for spec in self.specs)
         if self.has_growing and num_kv_blocks < 1:
             raise ValueError("the model has layers whose state grows per token (attention): "
                              "num_kv_blocks must be >= 1")
@@ -258,22 +259,24 @@ class Runner:
         width that holds the tokens runs a compiled graph, the tokens run as that width's
         decode batch of the one sequence at consecutive positions instead (SmolLM2 in
         float, 4 tokens: 75.6 ms at width 4 against 90.8 ms eager; Xeon, one thread)."""
-        width = next((w for w in widths if w >= len(tokens)), None)
         n = len(tokens)
+        width = next((w for w in widths if w >= n), None)
+        as_batch = None             # (width, through its graph) of a decode batch
         if width is not None and self.verifies_as_batch and self.verify_graph_built(width):
-            return self._decode([slot] * n, tokens, list(range(start, start + n)),
-                                [block_table] * n, width, True, one_row=self.quantised)
-        if not self.fixed_shapes and not any(spec.fixed for spec in self.specs):
+            as_batch = (width, True)
+        elif not self.fixed_shapes and not self.has_fixed:
             # eager, every state growing per token: the rows as an eager decode batch, so
             # each takes a plain step's attention and products (a prefill chunk's attention
             # rounds otherwise; through bf16 activations that parted a greedy SmolLM2 int4
             # answer from plain decoding's at token 45 in hyla generate)
+            as_batch = (n, False)
+        if as_batch is not None:
             return self._decode([slot] * n, tokens, list(range(start, start + n)),
-                                [block_table] * n, n, False, one_row=self.quantised)
+                                [block_table] * n, *as_batch, one_row=self.quantised)
         from hyla.model.quantize import one_row_products
 
         ids = torch.tensor(tokens, device=self.device)
-        ctx = Context.prefill([start], [len(tokens)], [slot], [block_table], self.buffers,
+        ctx = Context.prefill([start], [n], [slot], [block_table], self.buffers,
                               block_size=self.block_size, pad_block=self.pad_block,
                               device=self.device, last_logits=False)
         # quantised: each row in the products one row takes (a plain step's), not a
@@ -311,7 +314,7 @@ class Runner:
         depend on the drafts (found: a repeated request's answer changed): their verify
         batches run in one row's products (:class:`hyla.model.quantize.one_row_products`),
         graphs of their own."""
-        return self.fixed_shapes and not any(spec.fixed for spec in self.specs)
+        return self.fixed_shapes and not self.has_fixed
 
     def verify_graph_built(self, width: int) -> bool:
         """Whether a verify batch of ``width`` runs a graph now (a quantised model's verify
