@@ -152,7 +152,7 @@ def check_sampling(args: argparse.Namespace) -> None:
 
 
 def speculative_method(value: str) -> str:
-    """argparse type of ``--speculative``: ``ngram`` or ``draft:SOURCE``.
+    """argparse type of ``--speculative``: ``ngram``, ``mtp`` or ``draft:SOURCE``.
 
     Example:
         >>> speculative_method("draft:smollm2")
@@ -164,7 +164,7 @@ def speculative_method(value: str) -> str:
         check_speculative(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative: ")) from None
-    if not value.removeprefix("draft:").strip() and value != "ngram":
+    if not value.removeprefix("draft:").strip() and value not in ("ngram", "mtp"):
         raise argparse.ArgumentTypeError("draft:SOURCE needs a model after 'draft:' (a hyla "
                                          "or transformers checkpoint directory, a GGUF file, "
                                          "or a known name such as smollm2)")
@@ -177,9 +177,11 @@ def add_speculative(p: argparse.ArgumentParser, applies: str) -> None:
     from hyla.model.quantize import SCHEMES
 
     p.add_argument("--speculative", type=speculative_method, default=None,
-                   metavar="{ngram,draft:SOURCE}",
+                   metavar="{ngram,mtp,draft:SOURCE}",
                    help=f"speculative decoding ({applies}): ngram drafts tokens by looking "
-                        f"the last few up earlier in the text; draft:SOURCE has a smaller (or "
+                        f"the last few up earlier in the text; mtp drafts with the model's own "
+                        f"multi-token-prediction layers (Qwen3-Next's, Qwen3.5's); "
+                        f"draft:SOURCE has a smaller (or "
                         f"quantised) model sharing the tokenizer draft them. The drafts are "
                         f"verified in one forward: the output stays the model's own")
     p.add_argument("--num-speculative-tokens", type=positive, default=4, metavar="N",

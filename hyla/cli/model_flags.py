@@ -92,8 +92,9 @@ def quantize_notes(model, args: argparse.Namespace) -> list[str]:
 
 
 def drafter(args: argparse.Namespace, model, tok, out: Console | None = None):
-    """The drafter ``--speculative`` asks for ``model`` (None without it): n-gram lookup, or
-    the ``draft:SOURCE`` model loaded and quantised as ``--draft-quantize`` says."""
+    """The drafter ``--speculative`` asks for ``model`` (None without it): n-gram lookup, the
+    model's MTP layers, or the ``draft:SOURCE`` model loaded and quantised as
+    ``--draft-quantize`` says."""
     from hyla.serve.draft_model import ModelDrafter
     from hyla.serve.speculative import NgramDrafter
 
@@ -107,6 +108,10 @@ def drafter(args: argparse.Namespace, model, tok, out: Console | None = None):
         return None
     if method == "ngram":
         return NgramDrafter(args.num_speculative_tokens)
+    if method == "mtp":
+        from hyla.serve.mtp_drafter import MTPDrafter
+
+        return MTPDrafter(model, args.num_speculative_tokens)
     return ModelDrafter(draft_model(args, model, tok, out), args.num_speculative_tokens,
                         vocab=model.cfg.vocab_size)
 

@@ -78,6 +78,10 @@ class HylaConfig:
     embedding_scale: float = 1.0
     residual_scale: float = 1.0
     logit_scale: float = 1.0
+    # Multi-token-prediction layers (hyla.model.mtp): a checkpoint's next-next-token heads,
+    # each a block like the stack's last softmax-attention layer; they draft tokens for
+    # speculative decoding (--speculative mtp) and take no part in the model's own forward.
+    mtp_layers: int = 0
     # The transformers model_type a model was loaded from, which export writes back; None
     # for hyla's own models. hf_extras: fields of its config.json that do not change what
     # the model computes but that other engines read (max_position_embeddings, the special
@@ -113,7 +117,7 @@ class HylaConfig:
             raise ValueError(f"attention_head_dim must be even (rotary pairs), "
                              f"got {self.attention_head_dim}")
         check_rope_scaling(self.rope_scaling)
-        for name in ("linear_window", "window_sinks"):
+        for name in ("linear_window", "window_sinks", "mtp_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -128,6 +132,9 @@ class HylaConfig:
         if self.gate_logit_normalizer <= 0:
             raise ValueError(f"gate_logit_normalizer must be > 0, got {self.gate_logit_normalizer}")
         self._check_layer_fields()
+        if self.mtp_layers and "A" not in self.layers:
+            raise ValueError(f"mtp_layers={self.mtp_layers} needs a softmax-attention layer "
+                             f"('A') to copy, got layers {self.layers!r}")
 
     def _check_layer_fields(self) -> None:
         if self.ffn_layers is not None:
@@ -240,6 +247,7 @@ class HylaConfig:
 
 # Fields that shape the whole model and so cannot differ by layer.
 _GLOBAL_FIELDS = {"vocab_size", "d_model", "layers", "ffn_layers", "layer_overrides",
+                  "mtp_layers",
                   "tie_embeddings", "family", "hf_extras", "initializer_range",
                   "norm_zero_centred", "embedding_scale", "logit_scale"}
 

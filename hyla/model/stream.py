@@ -97,6 +97,8 @@ def stream_tokens(model: HylaLM, state, new_ids: list[int],
     timing.prompt_tokens, timing.new_tokens = len(new_ids), 0
     if max_new_tokens == 0:
         return
+    if getattr(drafter, "needs_hidden", False) and hasattr(state, "keep_hidden"):
+        drafter.attach(state.keep_hidden(), 0)    # (before the prompt: it drafts from it)
     prefill, decode = _steps(model, state)
     stop = set(stop_ids)
     start = time.perf_counter()

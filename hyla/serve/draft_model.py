@@ -301,10 +301,16 @@ def load_draft(source: str, target: HylaLM, target_tok) -> HylaLM:
 def model_drafters(config, target: HylaLM, tokenizer, draft: HylaLM | None):
     """(draft model, its :class:`DraftSlots`, what makes each request's drafter) for an
     engine's ``config`` (:class:`~hyla.serve.engine.EngineConfig`): all None unless its
-    ``speculative`` is ``draft:SOURCE`` (``draft`` None: SOURCE loaded here, unquantised).
+    ``speculative`` is ``draft:SOURCE`` (``draft`` None: SOURCE loaded here, unquantised)
+    or ``mtp`` (the target's own MTP layers: the drafter alone).
     The slots: two sequences' worth (a request decoding alone drafts; the slot of one that
     waits its turn long enough goes to the next), compiled where the engine is."""
     c = config
+    if c.speculative == "mtp":
+        from hyla.serve.mtp_drafter import MTPDrafter, check_mtp
+
+        check_mtp(target)
+        return None, None, lambda: MTPDrafter(target, c.num_speculative_tokens)
     if not (c.speculative or "").startswith(DRAFT_PREFIX):
         return None, None, None
     if draft is None:

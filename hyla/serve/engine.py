@@ -24,6 +24,7 @@ from hyla.serve.penalties import apply_penalties
 from hyla.serve.runner import Runner
 from hyla.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from hyla.serve.sequence import SamplingParams, Sequence
+from hyla.serve.hidden_log import HiddenLog
 from hyla.serve.speculative import Speculator, check_speculative
 from hyla.serve.structured import Constraints
 
@@ -65,8 +66,9 @@ class EngineConfig:
     eager_until_compiled: bool = False
     cuda_graphs: bool = False
     # speculative decoding of up to num_speculative_tokens a step: "ngram" (drafts by
-    # n-gram lookup in the sequence itself; for several requests decoding together too) or
-    # "draft:SOURCE" (a draft model sharing the tokenizer; a request decoding alone)
+    # n-gram lookup in the sequence itself; for several requests decoding together too),
+    # "mtp" (the model's own MTP layers) or "draft:SOURCE" (a draft model sharing the
+    # tokenizer; these two for a request decoding alone)
     speculative: str | None = None
     num_speculative_tokens: int = 4
     # draft:SOURCE drafts no token the draft model gives a probability under this (0: k
@@ -241,6 +243,8 @@ class Engine:
         # draft:SOURCE's model (a restarted engine takes it again) and its states
         self.draft_model, self.draft_slots, new_drafter = model_drafters(
             c, model, tokenizer, draft_model)
+        if c.speculative == "mtp":  # MTP drafts read the target's hidden states
+            self.runner.hidden_log = HiddenLog()
         self.speculator = None if c.speculative is None else Speculator(
             c.num_speculative_tokens, new_drafter)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,

@@ -25,29 +25,13 @@ import torch
 
 from hyla.model import Context, HylaLM, SequenceState
 from hyla.ops.paged_attention import FUSED_MAX_ROWS, SPAN_MAX_BATCH, kv_spans
+from hyla.serve.lazy_zeros import lazy_zeros
 
 _RUNNER_KEYS = itertools.count()       # what tells compiled runners' graphs apart
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
-
-
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros whose pages the OS maps only when first written, so a large KV reservation
-    costs resident memory only as blocks fill. An anonymous mmap of its own, not ``calloc``:
-    calloc may hand back memory the process freed (the float weights quantisation dropped)
-    and must then zero it, all resident. Off the CPU, plain zeros."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    import math
-    import mmap
-
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(pages, dtype=dtype).view(shape)   # the tensor keeps the map
 
 
 @dataclass
@@ -127,6 +111,9 @@ class Runner:
         # quantised layers verify drafts in their own graphs, one row's products in each row
         self.quantised = getattr(model, "quantized", None) not in (None, "none")
         self.compile_error: str | None = None   # why building the graphs failed, if it did
+        # a HiddenLog (set before the first call): every row's final hidden state is kept
+        # by slot and position, for multi-token-prediction drafts
+        self.hidden_log = None
         self.num_compilations = 0      # graphs torch.compile built for decode
         self.compile_time_s = 0.0      # wall time of the decode calls that compiled
         self.graphs = None
@@ -208,6 +195,8 @@ class Runner:
     def reset_slot(self, slot: int) -> None:
         for buf, _ in self._fixed():
             buf[slot].zero_()
+        if self.hidden_log is not None:
+            self.hidden_log.clear(slot)
 
     def copy_snapshots(self, pairs: list[tuple[int, int]], *, save: bool) -> None:
         """``save``: (state slot, snapshot slot) copies; else (snapshot slot, state slot)."""
@@ -219,6 +208,8 @@ class Runner:
                     buf[b].copy_(snap[a])
             if save:
                 self.snapshot_sums[b] = self._snapshot_sum(b)
+            elif self.hidden_log is not None:
+                self.hidden_log.clear(b)
 
     def snapshot_intact(self, slot: int) -> bool:
         """Whether snapshot ``slot`` still holds what was saved (its checksum matches)."""
@@ -283,7 +274,7 @@ class Runner:
         # chunk's (the output layer's fbgemm int8 products, say): else a greedy choice at
         # a near-tie depends on the drafts (found: SmolLM2 int4-a8 in hyla generate)
         with one_row_products(self.quantised):
-            return self.model(ids[None], ctx)[0].float()
+            return self._forward(ids, ctx, [(slot, tokens, start, block_table)])
 
     @torch.inference_mode()
     def verify_batch(self, rows: list[tuple[int, list[int], int, list[int]]],
@@ -342,6 +333,8 @@ class Runner:
                              f"{n} tokens")
         # a state from ``start`` on: the table's first blocks hold the cached prefix's rows
         rows = self._rows(block_table, n, state.start)
+        if self.hidden_log is not None:
+            self.hidden_log.clear(slot)
         for spec, layer, ts in zip(self.specs, self.buffers, state.tensors, strict=True):
             for e, t in zip(spec.entries, ts, strict=True):
                 if e in spec.fixed:
@@ -371,7 +364,25 @@ class Runner:
                               [c[0] for c in chunks], [c[3] for c in chunks], self.buffers,
                               block_size=self.block_size, pad_block=self.pad_block,
                               device=self.device)
-        return self.model(ids[None], ctx)[0].float()
+        return self._forward(ids, ctx, chunks)
+
+    def _forward(self, ids: torch.Tensor, ctx: Context, chunks) -> torch.Tensor:
+        """Logits (fp32) of a packed prefill at ``ctx.logits_at`` (None: every row). With a
+        :attr:`hidden_log`, every row's hidden state is logged under its chunk's slot and
+        positions."""
+        if self.hidden_log is None:
+            return self.model(ids[None], ctx)[0].float()
+        at, ctx.logits_at = ctx.logits_at, None
+        hidden = self.model(ids[None], ctx, hidden=True)[0]
+        self._log(chunks, hidden)
+        return self.model.lm_head(hidden if at is None else hidden[at]).float()
+
+    def _log(self, chunks, hidden: torch.Tensor) -> None:
+        a = 0
+        for slot, toks, start, _ in chunks:
+            if slot != self.pad_slot:
+                self.hidden_log.put(slot, start, hidden[a:a + len(toks)])
+            a += len(toks)
 
     @torch.inference_mode()   # cheaper than no_grad a call: no version counters
     def prefill_scored(self, chunks: list[tuple[int, list[int], int, list[int]]],
@@ -408,10 +419,12 @@ class Runner:
                     raise ValueError(f"chunk {j}: {len(sc[0])} targets for "
                                      f"{len(chunks[j][1])} tokens")
                 wanted.update(range(starts[j], starts[j] + len(sc[0])))
-        rows = sorted(wanted)
+        rows = sorted(wanted) if self.hidden_log is None else list(range(starts[-1]))
         index = {r: i for i, r in enumerate(rows)}
         ctx.logits_at = torch.tensor(rows, device=self.device)
         hidden = self.model(ids[None], ctx, hidden=True)[0]          # [rows, d_model]
+        if self.hidden_log is not None:
+            self._log(chunks, hidden)
         head = self.model.lm_head
         logits = head(hidden[[index[r] for r in last]]).float()
         out: list[ScoredRows | None] = []
@@ -447,9 +460,19 @@ class Runner:
         return self._decode(slots, tokens, positions, block_tables, width,
                             self.runs_graph(width))
 
-    @torch.inference_mode()   # cheaper than no_grad a call: no version counters
     def _decode(self, slots, tokens, positions, block_tables, width: int, fixed: bool,
                 one_row: bool = False):
+        out = self._decode_rows(slots, tokens, positions, block_tables, width, fixed, one_row)
+        if self.hidden_log is None:
+            return out
+        d = self.model.cfg.d_model      # (_decode_impl put each row's hidden state last)
+        self._log([(s, (0,), p, None) for s, p in zip(slots, positions, strict=True)],
+                  out[:, -d:])
+        return out[:, :-d].contiguous()
+
+    @torch.inference_mode()   # cheaper than no_grad a call: no version counters
+    def _decode_rows(self, slots, tokens, positions, block_tables, width: int, fixed: bool,
+                     one_row: bool = False):
         B = len(slots)
         if not 1 <= B <= width:
             raise ValueError(f"decode batch of {B} does not fit width {width}")
@@ -554,7 +577,10 @@ class Runner:
             raise ValueError(f"graph_key must be >= 0, got {graph_key}")
         ctx = Context.decode(slots, positions, tables, self.buffers,
                              block_size=self.block_size, slot_span=span, kv_spans=kv_spans)
-        return self.model(tokens[:, None], ctx)[:, 0].float()
+        if self.hidden_log is None:
+            return self.model(tokens[:, None], ctx)[:, 0].float()
+        h = self.model(tokens[:, None], ctx, hidden=True)[:, 0]
+        return torch.cat([self.model.lm_head(h).float(), h.float()], dim=-1)
 
     def layer_rows(self, i: int, table: list[int], n: int) -> dict[str, torch.Tensor]:
         """Layer ``i``'s growing entries (e.g. keys and values [n, H_kv, D]) for the first

@@ -24,6 +24,7 @@ import torch
 
 from hyla.model import HylaLM
 from hyla.model.sampler import accept_drafts
+from hyla.serve.hidden_log import HiddenLog
 from hyla.serve.runner import Runner
 from hyla.serve.sequence import SamplingParams
 
@@ -47,7 +48,15 @@ class RunnerState:
         self.num_tokens = 0
         self.runner: Runner | None = None
         self.num_blocks = 0
+        self.hidden_log: HiddenLog | None = None
         self._reserve(capacity)
+
+    def keep_hidden(self) -> HiddenLog:
+        """Keep the final hidden state of every row computed from now on (what
+        ``--speculative mtp`` drafts from, :class:`~hyla.serve.mtp_drafter.MTPDrafter`)."""
+        if self.hidden_log is None:
+            self.hidden_log = self.runner.hidden_log = HiddenLog()
+        return self.hidden_log
 
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -64,6 +73,7 @@ class RunnerState:
         if self.runner is not None and self.num_tokens:
             old = self.runner.extract(0, self.num_tokens, self._table(self.num_tokens))
             runner.load(0, old, list(range(blocks)))
+        runner.hidden_log = self.hidden_log     # (set after load: load clears the slot's)
         self.runner, self.num_blocks = runner, blocks
 
     def _table(self, tokens: int) -> list[int]:

@@ -20,19 +20,19 @@ from __future__ import annotations
 
 import time
 
-SPECULATIVE_METHODS = ("ngram", "draft:SOURCE")
+SPECULATIVE_METHODS = ("ngram", "mtp", "draft:SOURCE")
 
 
 def check_speculative(method: str | None) -> None:
     """ValueError naming the choices when ``method`` is not a speculative method.
 
     Example:
-        >>> check_speculative("draft:smollm2"); check_speculative("mtp")
+        >>> check_speculative("draft:smollm2"); check_speculative("eagle")
         Traceback (most recent call last):
         ...
-        ValueError: --speculative: expected one of ('ngram', 'draft:SOURCE'), got 'mtp'
+        ValueError: --speculative: expected one of ('ngram', 'mtp', 'draft:SOURCE'), got 'eagle'
     """
-    if method is not None and method != "ngram" and not method.startswith("draft:"):
+    if method is not None and method not in ("ngram", "mtp") and not method.startswith("draft:"):
         raise ValueError(f"--speculative: expected one of {SPECULATIVE_METHODS}, got "
                          f"{method!r}")
 
@@ -162,7 +162,10 @@ class Speculator:
         n = seq.num_computed_tokens
         room = min(seq.params.max_tokens - len(seq.output_ids) - 1,
                    engine.scheduler.config.max_model_len - n - 1, self.k if most is None else most)
-        return self._drafter(engine.runner, seq).draft(seq.all_token_ids, room)
+        drafter = self._drafter(engine.runner, seq)
+        if getattr(drafter, "needs_hidden", False):     # MTP: the target's hidden states
+            drafter.attach(engine.runner.hidden_log, seq.slot)
+        return drafter.draft(seq.all_token_ids, room)
 
     def _one(self, engine, out, seq) -> list | None:
         r, n = engine.runner, seq.num_computed_tokens

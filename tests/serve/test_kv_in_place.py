@@ -124,7 +124,7 @@ def test_engine_single_request_decodes_in_place(model, monkeypatch):
 def test_kv_reservation_is_resident_only_as_it_fills(model):
     if not hasattr(torch.Tensor, "untyped_storage"):
         pytest.skip("no storage API")
-    from hyla.serve.runner import lazy_zeros
+    from hyla.serve.lazy_zeros import lazy_zeros
 
     t = lazy_zeros((64, 4, 2, 8), torch.bfloat16, torch.device("cpu"))
     assert t.dtype == torch.bfloat16 and t.shape == (64, 4, 2, 8) and not t.any()

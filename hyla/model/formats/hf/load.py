@@ -55,6 +55,9 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
         if family.fold is not None:
             weights = family.fold(weights, hf, where)
         state = family.to_state(weights, cfg, where)
+        # the MTP layers the file holds (transformers writes none: it leaves mtp.* out)
+        mtp = len({k.split(".")[2] for k in state if k.startswith("mtp.layers.")})
+        cfg = dataclasses.replace(cfg, mtp_layers=mtp)
     else:
         cfg = hf_config_to_hyla(hf, source)
         state = hf_state_to_hyla(read_safetensors(root, dtype), cfg,

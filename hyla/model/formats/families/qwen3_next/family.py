@@ -11,8 +11,9 @@ zero-centred (applied as 1 + w).
 
 Weights (:mod:`~hyla.model.formats.families.qwen3_next.tensors`): Qwen3-Next's fused
 ``in_proj_qkvz`` / ``in_proj_ba`` are split per key-head group and fused back on export;
-experts are written one module each. Multi-token-prediction tensors (``mtp.*``) are
-dropped with a logged warning. A multimodal ``qwen3_5`` / ``qwen3_5_moe`` directory loads its
+experts are written one module each. Multi-token-prediction tensors (``mtp.*``) load into
+:class:`hyla.model.mtp.MTPHead` (``--speculative mtp``) and export back. A multimodal
+``qwen3_5`` / ``qwen3_5_moe`` directory loads its
 ``text_config`` and ``model.language_model.*`` tensors; its vision tower (``model.visual.*``)
 is dropped with a logged warning, and the model exports as the text-only family
 (``qwen3_5_text`` / ``qwen3_5_moe_text``), which ``AutoModelForCausalLM`` reads.
@@ -185,6 +186,9 @@ def from_config(cfg: HylaConfig) -> dict:
                "mlp_only_layers": [i for i, c in enumerate(letters) if c == "S"]}
         if "E" not in letters:
             hf["num_experts"] = 0
+    if cfg.mtp_layers:      # what vLLM and SGLang read (transformers leaves mtp.* out)
+        hf["num_nextn_predict_layers" if kind == "qwen3_next" else "mtp_num_hidden_layers"] \
+            = cfg.mtp_layers
     return hf
 
 

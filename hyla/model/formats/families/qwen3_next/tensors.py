@@ -9,6 +9,7 @@ decay's a into ``in_proj_ba``, both interleaved per key-head group (:func:`split
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -40,19 +41,46 @@ def to_state(weights: dict, cfg: HylaConfig, source: str) -> dict[str, torch.Ten
     weights = dict(weights)
     prefix = "model.language_model." if "model.language_model.embed_tokens.weight" in weights \
         else "model."
-    for drop, what in (("mtp.", "multi-token-prediction"), ("model.visual.", "vision tower")):
-        keys = [k for k in weights if k.startswith(drop)]
-        if keys:
-            log.warning("%s: leaving out the %d %s tensors (%s*)", source, len(keys), what, drop)
-            for k in keys:
-                del weights[k]
+    keys = [k for k in weights if k.startswith("model.visual.")]
+    if keys:
+        log.warning("%s: leaving out the %d vision tower tensors (model.visual.*)", source,
+                    len(keys))
+        for k in keys:
+            del weights[k]
     out = head_to_hyla(weights, cfg, source, prefix)
     for i in range(cfg.n_layers):
         theirs, ours = f"{prefix}layers.{i}", f"blocks.{i}"
         for name, tensor in _layer_to_hyla(weights, theirs, cfg, i, source).items():
             out[f"{ours}.{name}"] = tensor
+    out |= _mtp_to_hyla(weights, cfg, source)
     check_all_taken(weights, source)
     return out
+
+
+def mtp_layers_in(weights: dict) -> int:
+    """How many MTP layers (``mtp.layers.{j}.*``) a file's tensors hold."""
+    found = {k.split(".")[2] for k in weights if k.startswith("mtp.layers.")}
+    return len(found)
+
+
+def _mtp_to_hyla(w: dict, cfg: HylaConfig, source: str) -> dict:
+    """The MTP tensors (``mtp.*``) by hyla's names (:class:`hyla.model.mtp.MTPHead`); the
+    caller sets ``cfg.mtp_layers`` to :func:`mtp_layers_in` the file."""
+    n = mtp_layers_in(w)
+    if not n:
+        return {}
+    from hyla.model.mtp import mtp_config
+
+    m = mtp_config(dataclasses.replace(cfg, mtp_layers=n))
+    out = {f"mtp.{k}": take(w, f"mtp.{k}", source) for k in _MTP_OWN}
+    for j in range(n):
+        for name, tensor in _layer_to_hyla(w, f"mtp.layers.{j}", m, j, source).items():
+            out[f"mtp.layers.{j}.{name}"] = tensor
+    return out
+
+
+_MTP_OWN = ("fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight",
+            "norm.weight")
 
 
 def _layer_to_hyla(w: dict, p: str, cfg: HylaConfig, i: int, source: str) -> dict:
@@ -100,34 +128,47 @@ def from_state(state: dict, cfg: HylaConfig) -> dict[str, torch.Tensor]:
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = state["lm_head.weight"]
     for i in range(cfg.n_layers):
-        p, s = f"model.layers.{i}", f"blocks.{i}"
-        layer = cfg.layer_config(i)
-        out[f"{p}.input_layernorm.weight"] = state[f"{s}.mixer_norm.weight"]
-        out[f"{p}.post_attention_layernorm.weight"] = state[f"{s}.mlp_norm.weight"]
-        if cfg.layers[i] == "A":
-            for k in [k for k in state if k.startswith(f"{s}.mixer.")]:
-                out[f"{p}.self_attn.{k[len(s) + 7:]}"] = state[k]
-        else:
-            m, a = f"{s}.mixer", f"{p}.linear_attn"
-            dims = delta_dims(layer, GatedDeltaMixer.options(layer))
-            q, k, v, z, b, a_ = (state[f"{m}.{n}_proj.weight"] for n in "qkvgba")
-            if cfg.family == "qwen3_next":
-                out[f"{a}.in_proj_qkvz.weight"] = fuse_qkvz(q, k, v, z, *dims)
-                out[f"{a}.in_proj_ba.weight"] = fuse_ba(b, a_, *dims[:2])
-            else:
-                out |= {f"{a}.in_proj_qkv.weight": torch.cat([q, k, v]),
-                        f"{a}.in_proj_z.weight": z, f"{a}.in_proj_b.weight": b,
-                        f"{a}.in_proj_a.weight": a_}
-            out |= {f"{a}.conv1d.weight": state[f"{m}.conv.weight"],
-                    f"{a}.A_log": state[f"{m}.A_log"], f"{a}.dt_bias": state[f"{m}.dt_bias"],
-                    f"{a}.norm.weight": state[f"{m}.o_norm.weight"],
-                    f"{a}.out_proj.weight": state[f"{m}.o_proj.weight"]}
-        if cfg.ffn_letter(i) == "E":
-            out |= moe_from_hyla(state, f"{s}.mlp", f"{p}.mlp", moe_options(layer), NAMES)
-        else:
-            for n in ("gate_proj", "up_proj", "down_proj"):
-                out[f"{p}.mlp.{n}.weight"] = state[f"{s}.mlp.{n}.weight"]
+        out |= _layer_from_hyla(state, f"blocks.{i}", f"model.layers.{i}", cfg, i)
+    if cfg.mtp_layers:
+        from hyla.model.mtp import mtp_config
+
+        m = mtp_config(cfg)
+        out |= {f"mtp.{k}": state[f"mtp.{k}"] for k in _MTP_OWN}
+        for j in range(cfg.mtp_layers):
+            out |= _layer_from_hyla(state, f"mtp.layers.{j}", f"mtp.layers.{j}", m, j)
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _layer_from_hyla(state: dict, s: str, p: str, cfg: HylaConfig, i: int) -> dict:
+    """Layer ``i`` of ``cfg`` (hyla's ``s``.*) by the family's names (``p``.*)."""
+    out = {}
+    layer = cfg.layer_config(i)
+    out[f"{p}.input_layernorm.weight"] = state[f"{s}.mixer_norm.weight"]
+    out[f"{p}.post_attention_layernorm.weight"] = state[f"{s}.mlp_norm.weight"]
+    if cfg.layers[i] == "A":
+        for k in [k for k in state if k.startswith(f"{s}.mixer.")]:
+            out[f"{p}.self_attn.{k[len(s) + 7:]}"] = state[k]
+    else:
+        m, a = f"{s}.mixer", f"{p}.linear_attn"
+        dims = delta_dims(layer, GatedDeltaMixer.options(layer))
+        q, k, v, z, b, a_ = (state[f"{m}.{n}_proj.weight"] for n in "qkvgba")
+        if cfg.family == "qwen3_next":
+            out[f"{a}.in_proj_qkvz.weight"] = fuse_qkvz(q, k, v, z, *dims)
+            out[f"{a}.in_proj_ba.weight"] = fuse_ba(b, a_, *dims[:2])
+        else:
+            out |= {f"{a}.in_proj_qkv.weight": torch.cat([q, k, v]),
+                    f"{a}.in_proj_z.weight": z, f"{a}.in_proj_b.weight": b,
+                    f"{a}.in_proj_a.weight": a_}
+        out |= {f"{a}.conv1d.weight": state[f"{m}.conv.weight"],
+                f"{a}.A_log": state[f"{m}.A_log"], f"{a}.dt_bias": state[f"{m}.dt_bias"],
+                f"{a}.norm.weight": state[f"{m}.o_norm.weight"],
+                f"{a}.out_proj.weight": state[f"{m}.o_proj.weight"]}
+    if cfg.ffn_letter(i) == "E":
+        out |= moe_from_hyla(state, f"{s}.mlp", f"{p}.mlp", moe_options(layer), NAMES)
+    else:
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            out[f"{p}.mlp.{n}.weight"] = state[f"{s}.mlp.{n}.weight"]
+    return out
 
 
 def split_qkvz(w: torch.Tensor, hk: int, hv: int, dk: int, dv: int):

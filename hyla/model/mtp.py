@@ -1,0 +1,124 @@
+"""Multi-token prediction (MTP) layers, as Qwen3-Next and Qwen3.5 ship them (DeepSeek-V3's
+design): a head that predicts the token after next from the model's final hidden state at
+position p and the embedding of token p + 1.
+
+    x = fc([norm_e(embed(t[p + 1])) ; norm_h(h[p])])      fc: 2 d_model -> d_model
+    g = norm(block(x))                                    one softmax-attention block
+    logits = lm_head(g)                                   the model's own embed and lm_head
+
+The block is built like the stack's last softmax-attention layer (its heads, gate, rotary,
+norms and FFN kind, :func:`mtp_config`) and keeps keys and values of its own. Drafting k
+tokens (vLLM's recipe for these families): the head consumes every position the target has
+computed, then runs on its own output, ``g`` standing for ``h``, once per further draft.
+The model's forward never runs it: it serves only speculative decoding (``--speculative
+mtp``, :class:`hyla.serve.mtp_drafter.MTPDrafter`).
+
+Example:
+    >>> import torch
+    >>> from hyla.model import HylaLM
+    >>> from hyla.model.config import HylaConfig
+    >>> cfg = HylaConfig(vocab_size=64, d_model=32, layers="GA", n_heads=4, ffn_dim=64,
+    ...                  mtp_layers=1)
+    >>> model = HylaLM(cfg).eval()
+    >>> state = MTPState(model)
+    >>> h = model(torch.tensor([[1, 2, 3]]), hidden=True)[0]
+    >>> state.run([2, 3, 4], h).shape, state.num_tokens    # pairs (h[p], t[p + 1])
+    (torch.Size([3, 32]), 3)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from hyla.model.block import Block
+from hyla.model.config import HylaConfig
+from hyla.model.context import Context
+from hyla.model.layers import RMSNorm
+from hyla.model.mixers import layer_specs
+from hyla.model.state import SequenceState
+
+
+def mtp_config(cfg: HylaConfig) -> HylaConfig:
+    """The config of ``cfg``'s MTP layers: its last softmax-attention layer's, one layer
+    (and its FFN kind) per MTP layer."""
+    at = cfg.layers.rindex("A")
+    n = max(1, cfg.mtp_layers)
+    return dataclasses.replace(cfg.layer_config(at), layers="A" * n,
+                               ffn_layers=cfg.ffn_letter(at) * n, layer_overrides=None,
+                               mtp_layers=0)
+
+
+class MTPHead(nn.Module):
+    """A model's MTP layers (``cfg.mtp_layers`` of them; the names are the checkpoints'
+    ``mtp.*`` ones). ``forward(embeds, hidden, ctx, layer)`` -> ``g`` [B, T, d_model]."""
+
+    def __init__(self, cfg: HylaConfig):
+        super().__init__()
+        self.cfg = mtp_config(cfg)
+        d, eps, zc = cfg.d_model, cfg.norm_eps, cfg.norm_zero_centred
+        self.fc = nn.Linear(2 * d, d, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(d, eps=eps, zero_centred=zc)
+        self.pre_fc_norm_hidden = RMSNorm(d, eps=eps, zero_centred=zc)
+        self.layers = nn.ModuleList(Block(self.cfg, "A", i) for i in range(cfg.mtp_layers))
+        self.norm = RMSNorm(d, eps=eps, zero_centred=zc)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, ctx: Context,
+                layer: int = 0) -> torch.Tensor:
+        x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)],
+                      dim=-1)
+        return self.norm(self.layers[layer](self.fc(x), ctx))
+
+
+class MTPState:
+    """One sequence's keys and values in a model's first MTP layer (the one that drafts:
+    each further draft runs it again, as vLLM does for these families), and the runs that
+    extend it.
+
+    Its rows are positions ``base, base + 1, ...`` of the target's sequence; rotary
+    attention depends only on distances, so a state that starts late (``base`` > 0) is one
+    that has forgotten the positions before it."""
+
+    def __init__(self, model, base: int = 0):
+        if getattr(model, "mtp", None) is None:
+            raise ValueError("the model has no multi-token-prediction layers (mtp_layers=0)")
+        self.model, self.base = model, base
+        self.specs = layer_specs(model.mtp.cfg)[:1]
+        p = model.anchor
+        self.state = SequenceState.empty(dataclasses.replace(model.mtp.cfg, layers="A",
+                                                             ffn_layers=None),
+                                         device=p.device, dtype=p.dtype)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.state.num_tokens
+
+    @torch.no_grad()
+    def run(self, next_ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        """Extend the state by pairs ``(hidden[i], next_ids[i])``: the target's final
+        hidden state at a position (or the head's own ``g`` there) and the token after it.
+        Returns ``g`` [len(next_ids), d_model], whose ``lm_head`` drafts the token after
+        each ``next_ids[i]``."""
+        model, st = self.model, self.state
+        T, S = len(next_ids), st.num_tokens
+        if T == 0 or hidden.shape[0] != T:
+            raise ValueError(f"expected one hidden row per token, got {hidden.shape[0]} rows "
+                             f"for {T} tokens")
+        p = model.anchor
+        ids = torch.tensor(next_ids, device=p.device)
+        buffers = SequenceState.as_buffers([st], self.specs, extra_rows=T)
+        ctx = Context.prefill([S], [T], [0], [[0]], buffers, block_size=S + T,
+                              device=p.device, last_logits=False)
+        g = model.mtp(model.embed_tokens(ids[None]), hidden[None].to(p.dtype), ctx)[0]
+        SequenceState.take_buffers([st], buffers, self.specs, [S + T])
+        return g
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` rows (drafts' rows are taken back this way)."""
+        st = self.state
+        if not 0 <= num_tokens <= st.num_tokens:
+            raise ValueError(f"num_tokens must be in [0, {st.num_tokens}], got {num_tokens}")
+        st.tensors = [tuple(t[:num_tokens] for t in ts) for ts in st.tensors]
+        st.num_tokens = num_tokens

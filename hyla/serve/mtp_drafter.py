@@ -1,0 +1,134 @@
+"""Draft tokens from a model's own multi-token-prediction layers (``--speculative mtp``;
+:mod:`hyla.model.mtp`): no second model, and drafts that see the target's hidden states.
+
+The runner that computes the target keeps every row's final hidden state in a
+:class:`~hyla.serve.hidden_log.HiddenLog`. Before each draft the sequence's
+:class:`MTPDrafter` feeds its MTP state the pairs it has not seen (the target's hidden state
+at each new position and the token after it), then drafts: the first draft from the last
+pair, each further one by running the MTP layer on its own output and the draft before.
+The drafts' rows are then taken back (the state keeps only pairs the target computed), so
+whatever the target rejects, the MTP state never holds a wrong pair; the target's output is
+its own either way.
+
+Example:
+    >>> import torch
+    >>> from hyla.model import HylaLM
+    >>> from hyla.model.config import HylaConfig
+    >>> from hyla.serve.session import RunnerState
+    >>> cfg = HylaConfig(vocab_size=64, d_model=32, layers="GA", n_heads=4, ffn_dim=64,
+    ...                  mtp_layers=1)
+    >>> model = HylaLM(cfg).eval()
+    >>> state, d = RunnerState(model), MTPDrafter(model, 3)
+    >>> d.attach(state.keep_hidden(), 0)
+    >>> _ = state.prefill([5, 6, 7, 8])      # the target computed 4 positions
+    >>> len(d.draft([5, 6, 7, 8, 9], room=8)), d.state.num_tokens  # drafts after token 9
+    (3, 4)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyla.model import HylaLM
+from hyla.model.mtp import MTPState
+from hyla.serve.hidden_log import HiddenLog
+
+
+def check_mtp(model: HylaLM) -> None:
+    """ValueError unless ``model`` has MTP layers to draft with."""
+    if getattr(model, "mtp", None) is None:
+        raise ValueError("--speculative mtp: this model has no multi-token-prediction layers "
+                         "(only a checkpoint that ships them has: Qwen3-Next's and Qwen3.5's "
+                         "mtp.* tensors; transformers' save_pretrained leaves them out); use "
+                         "--speculative ngram or draft:SOURCE")
+
+
+class MTPDrafter:
+    """Drafts for one sequence from ``model.mtp``: up to ``k`` greedy tokens, backing off
+    1, 2 ... 64 plain steps after a verify that keeps none. Its MTP state holds at most
+    ``2 * window`` positions, then starts again from the last ``window`` (the hidden log
+    keeps that many). ``batches`` False: the engine drafts only for a request decoding
+    alone."""
+
+    batches = False
+    needs_hidden = True         # attach() it to the log of the runner computing the target
+
+    def __init__(self, model: HylaLM, k: int, *, window: int = 2048):
+        check_mtp(model)
+        if k < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
+        self.model, self.k, self.window = model, k, window
+        self.log: HiddenLog | None = None
+        self.slot = 0
+        self.state: MTPState | None = None
+        self.upto = 0               # the state holds the pairs of positions [base, upto)
+        self._g = None              # the MTP output at position upto - 1
+        self.drafted = self.accepted = 0
+        self._wait = self._backoff = 0
+
+    def attach(self, log: HiddenLog, slot: int) -> None:
+        """Read the target's hidden states from ``log``'s ``slot`` (a new place: start
+        again)."""
+        if log is not self.log or slot != self.slot:
+            self.state = None
+        self.log, self.slot = log, slot
+
+    @torch.inference_mode()
+    def draft(self, tokens: list[int], room: int) -> list[int]:
+        """Up to ``min(k, room)`` tokens after ``tokens`` (the sequence; the target has
+        computed all but the last)."""
+        most = min(self.k, room)
+        if most <= 0 or self.log is None or len(tokens) < 2:
+            return []
+        if self._wait > 0:
+            self._wait -= 1
+            return []
+        g = self._catch_up(tokens)
+        if g is None:
+            return []
+        st, n = self.state, len(tokens) - 1
+        head, vocab = self.model.lm_head, self.model.cfg.vocab_size
+        drafts: list[int] = []
+        while True:
+            token = int(head(g[None])[0].argmax())
+            if token >= vocab:
+                break
+            drafts.append(token)
+            if len(drafts) == most:
+                break
+            g = st.run([token], g[None])[-1]
+        st.truncate(n - st.base)        # the drafts' rows: taken back
+        return drafts
+
+    def _catch_up(self, tokens: list[int]):
+        """Feed the pairs of positions up to the last computed one; its MTP output (None:
+        the log does not hold the sequence's hidden states)."""
+        n = len(tokens) - 1
+        first, end = self.log.span(self.slot)
+        if end < n:
+            return None
+        st = self.state
+        if st is None or not first <= self.upto <= n or st.num_tokens > 2 * self.window:
+            base = max(first, n - self.window)
+            self.state, self.upto, self._g = MTPState(self.model, base), base, None
+            st = self.state
+        if self.upto < n:
+            g = st.run(tokens[self.upto + 1:n + 1], self.log.rows(self.slot, self.upto, n))
+            self.upto, self._g = n, g[-1]
+        return self._g
+
+    def feedback(self, accepted: int, drafted: int | None = None) -> None:
+        """How many of the last ``drafted`` drafts the target kept."""
+        self.accepted += accepted
+        self.drafted += drafted or 0
+        if accepted:
+            self._backoff = 0
+        elif drafted:
+            self._backoff = min(2 * self._backoff or 1, 64)
+            self._wait = self._backoff
+
+    def close(self) -> None:
+        """The request ended: its slot's hidden states go too."""
+        if self.log is not None:
+            self.log.clear(self.slot)
+        self.state = None
