@@ -20,11 +20,11 @@ from hyla.model.sampler import TokenLogprob, accept_drafts, sample
 from hyla.ops.hardware import fast_low_precision_matmul
 from hyla.serve.detokenizer import IncrementalText
 from hyla.serve.draft_model import model_drafters
+from hyla.serve.hidden_log import HiddenLog
 from hyla.serve.penalties import apply_penalties
 from hyla.serve.runner import Runner
 from hyla.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from hyla.serve.sequence import SamplingParams, Sequence
-from hyla.serve.hidden_log import HiddenLog
 from hyla.serve.speculative import Speculator, check_speculative
 from hyla.serve.structured import Constraints
 
