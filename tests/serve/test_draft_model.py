@@ -111,7 +111,9 @@ def test_a_draft_that_cannot_draft_for_the_target_is_refused():
         check_draft_vocab(wider, None, model, None)
     with pytest.raises(ValueError, match="draft:SOURCE needs a model after 'draft:'"):
         Engine(model, None, EngineConfig(speculative="draft:"))
-    with pytest.raises(ValueError, match=r"expected one of \('ngram', 'draft:SOURCE'\)"):
+    with pytest.raises(ValueError, match=r"expected one of \('ngram', 'mtp', 'draft:SOURCE'\)"):
+        Engine(model, None, EngineConfig(speculative="eagle"))
+    with pytest.raises(ValueError, match="no multi-token-prediction layers"):
         Engine(model, None, EngineConfig(speculative="mtp"))
     with pytest.raises(ValueError, match="confidence must be in"):
         ModelDrafter(model, 2, confidence=1.0)

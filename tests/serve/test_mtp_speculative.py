@@ -1,0 +1,137 @@
+"""Speculative decoding with the model's own MTP layers (``--speculative mtp``): a head
+self-distilled on a small target drafts tokens the target keeps; the output is the
+target's own greedy output, token for token, in the engine (alone, together, compiled,
+after cancels) and in ``hyla generate``'s stream; the hidden-state log is taken back with
+each request; a model saved with its head loads with it."""
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from hyla.data.tokenizer import ByteTokenizer
+from hyla.model import HylaLM, preset
+from hyla.model.formats.checkpoint import load_checkpoint, save_checkpoint
+from hyla.model.generate import generate
+from hyla.model.stream import stream_tokens
+from hyla.serve.engine import Engine, EngineConfig
+from hyla.serve.mtp_drafter import MTPDrafter
+from hyla.serve.sequence import SamplingParams
+from hyla.serve.session import RunnerState
+from hyla.train.mtp_head import mtp_distill_step, with_mtp_head
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+
+
+def _prompts(n=3, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (k,), generator=g).tolist() for k in (5, 23, 40)][:n]
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """A one-block attention target whose MTP head is that block: ``fc`` passes the next
+    token's embedding alone (unit-RMS rows, so the head's norm keeps them), and the head
+    then runs the target's own block and norm on it, one position behind. Its drafts are
+    the target's own next tokens but for the first token it never sees: nearly all kept,
+    if drafting pairs the hidden states and tokens as training did."""
+    torch.manual_seed(0)
+    model = HylaLM(dataclasses.replace(preset("debug"), layers="A",
+                                       initializer_range=0.1)).eval()
+    with torch.no_grad():
+        e = model.embed.weight
+        e.div_(e.pow(2).mean(-1, keepdim=True).sqrt())
+    model = with_mtp_head(model).eval()         # (its block: a copy of the target's)
+    d = model.cfg.d_model
+    with torch.no_grad():
+        model.mtp.fc.weight.zero_()
+        model.mtp.fc.weight[:, :d] = torch.eye(d)
+        model.mtp.norm.load_state_dict(model.norm.state_dict())
+    return model
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A GLA + attention target (fixed-size state: rejected drafts are rolled back) with a
+    head briefly self-distilled on its own greedy text: some drafts kept, some not."""
+    torch.manual_seed(0)
+    model = HylaLM(dataclasses.replace(preset("debug"), layers="GGGA")).eval()
+    g = torch.Generator().manual_seed(1)
+    rows = [generate(model, torch.randint(0, 256, (8,), generator=g).tolist(), 56,
+                     temperature=0) for _ in range(16)]
+    model = with_mtp_head(model)
+    opt = torch.optim.AdamW(model.mtp.parameters(), lr=3e-3)
+    data = torch.tensor(rows)
+    for _ in range(150):
+        mtp_distill_step(model, data[torch.randint(0, 16, (8,), generator=g)], opt)
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", ["oracle", "trained"])
+def test_engine_output_is_the_target_s(request, name):
+    target = request.getfixturevalue(name)
+    eng = Engine(target, ByteTokenizer(), EngineConfig(
+        max_model_len=128, speculative="mtp", num_speculative_tokens=3))
+    for prompt in _prompts():
+        (seq,) = eng.generate([prompt], GREEDY)
+        assert seq.output_ids == generate(target, prompt, 32, temperature=0)
+    drafted, kept = eng.stats["draft_tokens"], eng.stats["accepted_tokens"]
+    if name == "oracle":
+        assert kept > 0.8 * drafted > 0, (kept, drafted)
+    else:
+        assert 0 < kept < drafted
+    # together (plain steps: MTP drafts for a request decoding alone)
+    seqs = eng.generate(_prompts(), GREEDY)
+    assert [s.output_ids for s in seqs] == [generate(target, p, 32, temperature=0)
+                                            for p in _prompts()]
+
+
+@pytest.mark.parametrize("name", ["oracle", "trained"])
+def test_stream_output_is_the_target_s(request, name):
+    target = request.getfixturevalue(name)
+    kept = drafted = 0
+    for prompt in _prompts():
+        d = MTPDrafter(target, 4)
+        got = list(stream_tokens(target, RunnerState(target), prompt, 32, temperature=0,
+                                 drafter=d))
+        assert got == generate(target, prompt, 32, temperature=0)
+        kept, drafted = kept + d.accepted, drafted + d.drafted
+    assert drafted > 0 and (kept > 0.8 * drafted if name == "oracle" else kept < drafted)
+
+
+def test_compiled_engine(oracle):
+    eng = Engine(oracle, None, EngineConfig(max_model_len=128, speculative="mtp",
+                                            num_speculative_tokens=3, compile=True,
+                                            max_num_seqs=2, decode_widths=(1, 2, 4)))
+    (seq,) = eng.generate([_prompts()[1]], GREEDY)
+    assert seq.output_ids == generate(oracle, _prompts()[1], 32, temperature=0)
+    assert eng.stats["accepted_tokens"] > 0.8 * eng.stats["draft_tokens"] > 0
+
+
+def test_cancels_leave_no_trace(trained):
+    """Requests cancelled at random steps, mid-speculation too: later requests' outputs are
+    the target's, and no finished request's hidden states stay in the log."""
+    eng = Engine(trained, ByteTokenizer(), EngineConfig(
+        max_model_len=128, speculative="mtp", num_speculative_tokens=3, max_num_seqs=2))
+    rng = random.Random(0)
+    for i in range(30):
+        rid = eng.add_request(_prompts(seed=i)[rng.randrange(3)], GREEDY)
+        for _ in range(rng.randrange(1, 12)):
+            eng.step()
+        eng.abort(rid)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats["draft_tokens"] > 0
+    for prompt in _prompts():
+        (seq,) = eng.generate([prompt], GREEDY)
+        assert seq.output_ids == generate(trained, prompt, 32, temperature=0)
+    assert all(eng.runner.hidden_log.span(s) == (0, 0) for s in range(2))
+
+
+def test_saved_with_its_head(trained, tmp_path):
+    model, _ = load_checkpoint(save_checkpoint(trained, tmp_path / "ckpt"))
+    assert model.cfg.mtp_layers == 1
+    a, b = trained.state_dict(), model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(k.startswith("mtp.") for k in a)
