@@ -189,6 +189,9 @@ def cmd_role(args: argparse.Namespace, out: Console) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, tok, name = load_model(args, out)
+    if args.role == "prefill" and args.speculative:
+        out.print(f"--speculative {args.speculative}: not used by --role prefill (it only "
+                  f"prefills; give it to the decode workers)")
     if args.role == "prefill":
         from hyla.disagg.live.worker.prefill import PrefillService, create_prefill_app
 
@@ -205,13 +208,15 @@ def cmd_role(args: argparse.Namespace, out: Console) -> int:
             svc.close()
         return 0
 
+    from hyla.cli.model_flags import draft_model
     from hyla.disagg.live.worker.decode import build_decode_worker
     from hyla.serve.engine import EngineConfig
 
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=not args.no_prefix_caching,
-                          compile=args.compile)
+                          compile=args.compile, speculative=args.speculative,
+                          num_speculative_tokens=args.num_speculative_tokens)
     dead: list = []
     server: list = []
 
@@ -225,7 +230,7 @@ def cmd_role(args: argparse.Namespace, out: Console) -> int:
         api_key=key, transfer_bind=f"tcp://{args.host}:{args.transfer_port}",
         advertise_host=args.advertise_host, stall_s=max(args.transfer_timeout, 1.0),
         transfer_key=worker_transfer_key(key, args.host), on_dead=on_dead,
-        internal_key=internal_http_key())
+        internal_key=internal_http_key(), draft_model=draft_model(args, model, tok, out))
     out.print(f"Decode worker on http://{args.host}:{args.port} (state transfers on "
               f"{rx.address}, {'HMAC-authenticated' if rx.key else 'unauthenticated'})")
     server.append(serve_app(app))

@@ -310,7 +310,8 @@ def model_drafters(config, target: HylaLM, tokenizer, draft: HylaLM | None):
         from hyla.serve.mtp_drafter import MTPDrafter, check_mtp
 
         check_mtp(target)
-        return None, None, lambda: MTPDrafter(target, c.num_speculative_tokens)
+        return None, None, lambda: MTPDrafter(target, c.num_speculative_tokens,
+                                              confidence=c.draft_confidence)
     if not (c.speculative or "").startswith(DRAFT_PREFIX):
         return None, None, None
     if draft is None:

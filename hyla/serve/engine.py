@@ -71,7 +71,7 @@ class EngineConfig:
     # tokenizer; these two for a request decoding alone)
     speculative: str | None = None
     num_speculative_tokens: int = 4
-    # draft:SOURCE drafts no token the draft model gives a probability under this (0: k
+    # draft:SOURCE and mtp draft no token the drafter gives a probability under this (0: k
     # drafts a step; hyla.serve.draft_model says why)
     draft_confidence: float = 0.0
     # logits [B, V], per-row params and generators -> (tokens, logprobs); the same sampler

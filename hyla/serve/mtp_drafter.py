@@ -44,8 +44,9 @@ def check_mtp(model: HylaLM) -> None:
 
 
 class MTPDrafter:
-    """Drafts for one sequence from ``model.mtp``: up to ``k`` greedy tokens, backing off
-    1, 2 ... 64 plain steps after a verify that keeps none. Its MTP state holds at most
+    """Drafts for one sequence from ``model.mtp``: up to ``k`` greedy tokens, stopping
+    before one whose probability under the head is below ``confidence`` (0: never), backing
+    off 1, 2 ... 64 plain steps after a verify that keeps none. Its MTP state holds at most
     ``2 * window`` positions, then starts again from the last ``window`` (the hidden log
     keeps that many). ``batches`` False: the engine drafts only for a request decoding
     alone."""
@@ -53,11 +54,14 @@ class MTPDrafter:
     batches = False
     needs_hidden = True         # attach() it to the log of the runner computing the target
 
-    def __init__(self, model: HylaLM, k: int, *, window: int = 2048):
+    def __init__(self, model: HylaLM, k: int, *, window: int = 2048,
+                 confidence: float = 0.0):
         check_mtp(model)
         if k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
-        self.model, self.k, self.window = model, k, window
+        if not 0 <= confidence < 1:
+            raise ValueError(f"confidence must be in [0, 1), got {confidence}")
+        self.model, self.k, self.window, self.confidence = model, k, window, confidence
         self.log: HiddenLog | None = None
         self.slot = 0
         self.state: MTPState | None = None
@@ -90,8 +94,10 @@ class MTPDrafter:
         head, vocab = self.model.lm_head, self.model.cfg.vocab_size
         drafts: list[int] = []
         while True:
-            token = int(head(g[None])[0].argmax())
-            if token >= vocab:
+            logits = head(g[None])[0]
+            token = int(logits.argmax())
+            if token >= vocab or self.confidence > 0 and float(
+                    torch.softmax(logits.float(), dim=-1)[token]) < self.confidence:
                 break
             drafts.append(token)
             if len(drafts) == most:

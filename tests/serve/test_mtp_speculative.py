@@ -135,3 +135,33 @@ def test_saved_with_its_head(trained, tmp_path):
     a, b = trained.state_dict(), model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(k.startswith("mtp.") for k in a)
+
+
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_prefilled_requests_speculate(oracle, method):
+    """A decode worker's requests arrive prefilled elsewhere (``hyla serve --role decode
+    --speculative ...``): their drafts start from what the worker computes (MTP: no hidden
+    states for the prompt), and the output is still the target's."""
+    eng = Engine(oracle, None, EngineConfig(max_model_len=128, speculative=method,
+                                            num_speculative_tokens=3))
+    for prompt in _prompts():
+        want = generate(oracle, prompt, 32, temperature=0)
+        state = oracle.new_state()
+        first = int(oracle.prefill(torch.tensor(prompt), state)[-1].argmax())
+        seq = eng.add_prefilled(prompt, first, state, GREEDY)
+        while eng.has_unfinished():
+            eng.step()
+        assert seq.output_ids == want
+    assert eng.stats["accepted_tokens"] > 0
+
+
+def test_decode_worker_takes_the_speculative_flags(oracle):
+    from hyla.disagg.live.worker.decode import build_decode_worker
+
+    _, async_engine, rx = build_decode_worker(
+        oracle, ByteTokenizer(), "m", EngineConfig(max_model_len=128, speculative="mtp"))
+    try:
+        assert async_engine.engine.speculator is not None
+        assert async_engine.engine.runner.hidden_log is not None
+    finally:
+        rx.close()

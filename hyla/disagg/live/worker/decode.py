@@ -167,18 +167,19 @@ def build_decode_worker(model, tok, name: str, engine_config, *, max_waiting: in
                         api_key: str | None = None, transfer_bind: str = "tcp://127.0.0.1:0",
                         advertise_host: str | None = None, stall_s: float = 30.0,
                         transfer_key: bytes | None = None, on_dead=None,
-                        internal_key: bytes | None = None):
+                        internal_key: bytes | None = None, draft_model=None):
     """(app, async engine, receiver) of a decode worker; the caller shuts both down.
     ``transfer_key``: the HMAC key every shipped state's frames must carry;
     ``internal_key``: with it, every ``/internal/*`` call must be signed
     (:mod:`hyla.disagg.live.internal_auth`); ``on_dead``:
-    called if the engine dies (the role exits non-zero so a supervisor restarts it)."""
+    called if the engine dies (the role exits non-zero so a supervisor restarts it);
+    ``draft_model``: ``--speculative draft:SOURCE``'s (:class:`~hyla.serve.engine.Engine`)."""
     from hyla.model.state import SequenceState
     from hyla.serve.api.app import create_app
     from hyla.serve.engine import Engine
     from hyla.serve.sequence import SamplingParams
 
-    engine = Engine(model, tok, engine_config)
+    engine = Engine(model, tok, engine_config, draft_model=draft_model)
     engine.generate([[0]], SamplingParams(max_tokens=2, temperature=0))     # warm-up
     async_engine = AsyncEngine(engine, max_waiting=max_waiting, on_dead=on_dead)
     fp = model_fingerprint(model)
