@@ -96,7 +96,8 @@ def breakdown(engine, rss_before_model: int = 0) -> dict[str, int]:
     """Bytes by part for a serving :class:`~hyla.serve.engine.Engine`: ``resident``,
     ``weights_float``, ``weights_quantised``, ``state_slots`` (fixed state and snapshots),
     ``kv_in_use`` (blocks held by requests), ``kv_reserved``, ``draft_model`` (speculative
-    decoding's draft weights), ``rest`` (resident minus what
+    decoding's draft weights), ``draft_reserved`` (its states' buffers: KV blocks mapped as
+    they fill, like ``kv_reserved``), ``rest`` (resident minus what
     is counted) and ``before_model`` (the resident set before loading, 0 if unknown)."""
     runner = engine.runner
     weights = tensor_bytes(engine.model)
@@ -111,11 +112,15 @@ def breakdown(engine, rss_before_model: int = 0) -> dict[str, int]:
                  if blocks is not None and total_blocks else 0)
     draft = getattr(engine, "draft_model", None)
     draft_bytes = sum(tensor_bytes(draft).values()) if draft is not None else 0
+    slots = getattr(engine, "draft_slots", None)
+    draft_reserved = sum(t.numel() * t.element_size() for layer in slots.runner.buffers
+                         for t in layer.values()) if slots is not None else 0
     resident = rss_bytes()
     counted = weights["float"] + weights["quantised"] + fixed + kv_in_use + draft_bytes
     return {"resident": resident, "weights_float": weights["float"],
             "weights_quantised": weights["quantised"], "state_slots": fixed,
             "kv_in_use": kv_in_use, "kv_reserved": kv_reserved, "draft_model": draft_bytes,
+            "draft_reserved": draft_reserved,
             "rest": max(0, resident - counted), "before_model": rss_before_model}
 
 
@@ -127,7 +132,9 @@ def describe(parts: dict[str, int]) -> str:
             f"({mb['weights_quantised']:.0f} quantised, {mb['weights_float']:.0f} float) + state "
             f"slots {mb['state_slots']:.1f} MB + KV in use {mb['kv_in_use']:.1f} MB (of "
             f"{mb['kv_reserved']:.0f} MB reserved, mapped as used)"
-            + (f" + draft model {mb['draft_model']:.0f} MB" if parts.get("draft_model") else "")
+            + (f" + draft model {mb['draft_model']:.0f} MB (its states "
+               f"{mb.get('draft_reserved', 0):.0f} MB reserved, mapped as used)"
+               if parts.get("draft_model") else "")
             + " + the rest "
             f"{mb['rest']:.0f} MB (interpreter, libraries, tokenizer, allocator)")
     if parts["before_model"]:

@@ -208,6 +208,10 @@ def test_the_memory_breakdown_counts_the_draft_model():
     parts = breakdown(eng)
     assert parts["draft_model"] == sum(p.numel() * p.element_size() for p in draft.parameters())
     assert "+ draft model" in describe(parts)
+    # its two slots' keys and values for max_model_len tokens each, in both layers
+    c = draft.cfg
+    assert parts["draft_reserved"] >= 2 * 2 * 64 * 2 * c.n_kv_heads * c.head_dim * 4
+    assert "its states" in describe(parts)
     assert "draft model" not in describe(breakdown(Engine(model, ByteTokenizer())))
 
 
