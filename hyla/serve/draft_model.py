@@ -32,6 +32,7 @@ import torch
 from hyla.model import HylaLM
 from hyla.serve.runner import Runner
 from hyla.serve.session import RunnerState
+from hyla.serve.speculative import BackOff
 
 DRAFT_PREFIX = "draft:"
 PROBE_TEXT = "def main():\n    print('Hello, world!')  # café 2026"
@@ -115,7 +116,7 @@ class DraftSlots:
         return self.runner.warmup((1,), self.blocks_per_slot)
 
 
-class ModelDrafter:
+class ModelDrafter(BackOff):
     """Drafts for one sequence from ``model``: up to ``k`` greedy tokens, stopping before one
     whose probability is under ``confidence``, backing off after drafts that all fail.
     ``batches`` False: the engine runs it only for a request decoding alone (each request's
@@ -138,8 +139,6 @@ class ModelDrafter:
         self.fixed = any(spec.fixed for spec in model.state_specs)
         self.fed: list[int] = []            # the tokens the draft state holds
         self._saved, self._saved_at = None, -1  # fixed-size state before the last drafts
-        self.drafted = self.accepted = 0
-        self._wait = self._backoff = 0      # plain steps to go before drafting again
 
     @torch.inference_mode()
     def draft(self, tokens: list[int], room: int) -> list[int]:
@@ -148,8 +147,7 @@ class ModelDrafter:
         n = min(self.k, room)
         if n <= 0 or not tokens:
             return []
-        if self._wait > 0:          # (the state catches up on the next draft)
-            self._wait -= 1
+        if self.waiting():          # (the state catches up on the next draft)
             return []
         logits = self._sync(tokens)
         drafts: list[int] = []
@@ -168,21 +166,6 @@ class ModelDrafter:
             logits = self.state.decode(drafts[-1])
             self.fed.append(drafts[-1])
         return drafts
-
-    def feedback(self, accepted: int, drafted: int | None = None) -> None:
-        """How many of the last ``drafted`` drafts the target kept (what the draft state must
-        take back is found from the next call's tokens). After a verify that keeps none, it
-        waits 1, 2, 4 ... 64 plain steps before drafting again, as
-        :class:`~hyla.serve.speculative.NgramDrafter` does: a draft that is always wrong
-        costs draft steps and wide verifies for nothing (an unrelated draft made a small
-        model 6.6x slower without it)."""
-        self.accepted += accepted
-        self.drafted += drafted or 0
-        if accepted:
-            self._backoff = 0
-        elif drafted:
-            self._backoff = min(2 * self._backoff or 1, 64)
-            self._wait = self._backoff
 
     def close(self) -> None:
         """Give the state's slot back (the request ended)."""

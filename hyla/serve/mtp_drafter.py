@@ -32,6 +32,7 @@ import torch
 from hyla.model import HylaLM
 from hyla.model.mtp import MTPState
 from hyla.serve.hidden_log import HiddenLog
+from hyla.serve.speculative import BackOff
 
 
 def check_mtp(model: HylaLM) -> None:
@@ -43,7 +44,7 @@ def check_mtp(model: HylaLM) -> None:
                          "--speculative ngram or draft:SOURCE")
 
 
-class MTPDrafter:
+class MTPDrafter(BackOff):
     """Drafts for one sequence from ``model.mtp``: up to ``k`` greedy tokens, stopping
     before one whose probability under the head is below ``confidence`` (0: never), backing
     off 1, 2 ... 64 plain steps after a verify that keeps none. Its MTP state holds at most
@@ -67,8 +68,6 @@ class MTPDrafter:
         self.state: MTPState | None = None
         self.upto = 0               # the state holds the pairs of positions [base, upto)
         self._g = None              # the MTP output at position upto - 1
-        self.drafted = self.accepted = 0
-        self._wait = self._backoff = 0
 
     def attach(self, log: HiddenLog, slot: int) -> None:
         """Read the target's hidden states from ``log``'s ``slot`` (a new place: start
@@ -84,8 +83,7 @@ class MTPDrafter:
         most = min(self.k, room)
         if most <= 0 or self.log is None or len(tokens) < 2:
             return []
-        if self._wait > 0:
-            self._wait -= 1
+        if self.waiting():
             return []
         g = self._catch_up(tokens)
         if g is None:
@@ -122,16 +120,6 @@ class MTPDrafter:
             g = st.run(tokens[self.upto + 1:n + 1], self.log.rows(self.slot, self.upto, n))
             self.upto, self._g = n, g[-1]
         return self._g
-
-    def feedback(self, accepted: int, drafted: int | None = None) -> None:
-        """How many of the last ``drafted`` drafts the target kept."""
-        self.accepted += accepted
-        self.drafted += drafted or 0
-        if accepted:
-            self._backoff = 0
-        elif drafted:
-            self._backoff = min(2 * self._backoff or 1, 64)
-            self._wait = self._backoff
 
     def close(self) -> None:
         """The request ended: its slot's hidden states go too."""
