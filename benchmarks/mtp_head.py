@@ -5,7 +5,8 @@ SmolLM2-135M-Instruct (float32, the GGUF's Q4_1 weights dequantised) gets a fres
 (:func:`hyla.train.mtp_head.with_mtp_head`: one block, a copy of its last), trained for
 ``--steps`` steps of ``--batch`` rows of ``--seq`` tokens on the model's own distributions
 (:func:`~hyla.train.mtp_head.mtp_distill_step`): windows of the standard library's source
-and of the model's own greedy answers to a few chat prompts (none of them the tasks below).
+and of the model's own greedy answers to a few chat prompts (none of them the tasks below),
+their hidden states computed once and reused by every step.
 Then one thread, one greedy request at a time, the tasks of ``speculative_decode`` (a
 repetitive code edit, a story): the engine plain, with n-gram drafts, with MTP drafts
 (k = ``--k``) and with MTP drafts cut off under ``--confidence``, in alternating rounds:
@@ -89,9 +90,16 @@ def main(run) -> None:
         opt = torch.optim.AdamW(model.mtp.parameters(), lr=a.lr)
         torch.set_num_threads(a.threads or 2)        # training: both cores of this machine
         t0 = time.perf_counter()
+        rows = [r for r in rows if len(r) == a.seq]
+        rows = rng.sample(rows, 64) if a.quick else rows
+        ids = torch.tensor(rows)
+        with torch.no_grad():       # the model's hidden states, once: a step reuses them
+            hidden = torch.cat([model(ids[i:i + 16], hidden=True)
+                                for i in range(0, len(ids), 16)])
+        run.progress(f"hidden states of {len(rows)} rows: {time.perf_counter() - t0:.0f} s")
         for step in range(steps):
-            batch = torch.tensor(rng.sample(rows, a.batch))
-            losses.append(mtp_distill_step(model, batch, opt))
+            pick = torch.tensor(rng.sample(range(len(rows)), a.batch))
+            losses.append(mtp_distill_step(model, ids[pick], opt, hidden[pick]))
             if step % 50 == 0:
                 run.progress(f"step {step}: KL {losses[-1]:.3f}")
         train_s = time.perf_counter() - t0

@@ -49,13 +49,16 @@ def with_mtp_head(model: HylaLM, layers: int = 1) -> HylaLM:
     return model
 
 
-def mtp_distill_step(model: HylaLM, ids: torch.Tensor, opt: torch.optim.Optimizer) -> float:
+def mtp_distill_step(model: HylaLM, ids: torch.Tensor, opt: torch.optim.Optimizer,
+                     hidden: torch.Tensor | None = None) -> float:
     """One step of the head's self-distillation on token rows ``ids`` [B, T] (T >= 3); the
-    rest of the model is not touched. Returns the loss."""
+    rest of the model is not touched. ``hidden``: the model's final hidden states of those
+    rows (``model(ids, hidden=True)``), kept from an earlier pass over the same data (the
+    model's forward is most of a step's work). Returns the loss."""
     if ids.dim() != 2 or ids.shape[1] < 3:
         raise ValueError(f"ids must be [B, T] with T >= 3, got {tuple(ids.shape)}")
     with torch.no_grad():
-        h = model(ids, hidden=True)                          # [B, T, d]
+        h = model(ids, hidden=True) if hidden is None else hidden      # [B, T, d]
         want = F.log_softmax(model.lm_head(h[:, 1:-1]).float(), dim=-1)
     nxt = ids[:, 1:-1]                  # pairs p = 0 .. T - 3: (h[p], t[p + 1]) -> t[p + 2]
     with torch.no_grad():
