@@ -161,6 +161,10 @@ def cmd_role(args: argparse.Namespace, out: Console) -> int:
                                             timeout_graceful_shutdown=3))
     if args.role == "router":
         from hyla.disagg.live.router.app import create_router_app
+
+        if args.speculative:
+            out.print(f"--speculative {args.speculative}: not used by --role router (give "
+                      f"it to the decode workers)")
         from hyla.disagg.live.router.core import LiveRouter, LiveRouterConfig, live_policy
 
         if not args.decode_workers:

@@ -178,8 +178,28 @@ def cmd_export(args: argparse.Namespace, out: Console) -> int:
         target = export_fla(model, tok, args.out)
     else:
         target = export_hf(model, tok, args.out, fmt=args.format)
-    out.print(f"wrote {target} ({args.format}, {model.num_parameters():,} parameters)")
+    n = model.num_parameters()
+    if model.mtp is not None and not _holds_mtp(target):
+        n -= sum(p.numel() for p in model.mtp.parameters())
+        out.print(f"[yellow]note[/]: the model's multi-token-prediction head "
+                  f"({model.cfg.mtp_layers} layer(s), --speculative mtp) has no place in "
+                  f"{args.format}'s format and is left out (hyla's own checkpoint, and "
+                  f"Qwen3-Next's and Qwen3.5's transformers format, keep it)")
+    out.print(f"wrote {target} ({args.format}, {n:,} parameters)")
     return 0
+
+
+def _holds_mtp(target) -> bool:
+    """Whether an export's safetensors files hold any ``mtp.*`` tensor."""
+    import pathlib
+
+    from safetensors import safe_open
+
+    for f in pathlib.Path(target).glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as st:
+            if any(k.startswith("mtp.") for k in st.keys()):  # noqa: SIM118
+                return True
+    return False
 
 
 def engine_answers(teacher, prompts: list[list[int]], max_tokens: int,

@@ -101,10 +101,17 @@ def drafter(args: argparse.Namespace, model, tok, out: Console | None = None):
     method = getattr(args, "speculative", None)
     if method is None:
         return None
-    if getattr(args, "temperature", 0) > 0:     # generate's and chat's loop: greedy only
+    if method == "mtp":
+        from hyla.serve.mtp_drafter import check_mtp
+
+        check_mtp(model)            # first: the flag cannot work with this model at all
+    why = (f"it speeds up greedy decoding, --temperature 0; this is {args.temperature}"
+           if getattr(args, "temperature", 0) > 0 else     # generate's and chat's loop
+           "it does not run with --json-schema" if getattr(args, "json_schema", None)
+           else None)
+    if why is not None:
         if out is not None:
-            out.print(f"--speculative {method}: not used (it speeds up greedy decoding, "
-                      f"--temperature 0; this is {args.temperature})")
+            out.print(f"--speculative {method}: not used ({why})")
         return None
     if method == "ngram":
         return NgramDrafter(args.num_speculative_tokens)

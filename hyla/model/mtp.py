@@ -38,17 +38,18 @@ from hyla.model.config import HylaConfig
 from hyla.model.context import Context
 from hyla.model.layers import RMSNorm
 from hyla.model.mixers import layer_specs
-from hyla.model.state import SequenceState
 
 
 def mtp_config(cfg: HylaConfig) -> HylaConfig:
-    """The config of ``cfg``'s MTP layers: its last softmax-attention layer's, one layer
-    (and its FFN kind) per MTP layer."""
+    """The config of ``cfg``'s MTP layers: its last softmax-attention layer's (without a
+    window), one layer (and its FFN kind) per MTP layer."""
     at = cfg.layers.rindex("A")
     n = max(1, cfg.mtp_layers)
+    # full attention, as the checkpoints' MTP layers are (a window's ring could not take
+    # drafts back by length)
     return dataclasses.replace(cfg.layer_config(at), layers="A" * n,
                                ffn_layers=cfg.ffn_letter(at) * n, layer_overrides=None,
-                               mtp_layers=0)
+                               mtp_layers=0, sliding_window=None)
 
 
 class MTPHead(nn.Module):
@@ -75,25 +76,30 @@ class MTPHead(nn.Module):
 class MTPState:
     """One sequence's keys and values in a model's first MTP layer (the one that drafts:
     each further draft runs it again, as vLLM does for these families), and the runs that
-    extend it.
+    extend it. They live in one buffer that doubles when full, so a draft step writes its
+    row in place (no copy of the state a step).
 
     Its rows are positions ``base, base + 1, ...`` of the target's sequence; rotary
     attention depends only on distances, so a state that starts late (``base`` > 0) is one
     that has forgotten the positions before it."""
 
-    def __init__(self, model, base: int = 0):
+    def __init__(self, model, base: int = 0, capacity: int = 256):
         if getattr(model, "mtp", None) is None:
             raise ValueError("the model has no multi-token-prediction layers (mtp_layers=0)")
-        self.model, self.base = model, base
+        self.model, self.base, self.num_tokens = model, base, 0
         self.specs = layer_specs(model.mtp.cfg)[:1]
-        p = model.anchor
-        self.state = SequenceState.empty(dataclasses.replace(model.mtp.cfg, layers="A",
-                                                             ffn_layers=None),
-                                         device=p.device, dtype=p.dtype)
+        if self.specs[0].fixed:
+            raise ValueError("an MTP layer with fixed-size state cannot take drafts back")
+        self.buffers = self._alloc(capacity)
+
+    def _alloc(self, rows: int) -> list[dict[str, torch.Tensor]]:
+        p = self.model.anchor
+        return [{e.name: torch.zeros(1, rows, *e.shape, dtype=e.resolve(p.dtype),
+                                     device=p.device) for e in self.specs[0].per_token}]
 
     @property
-    def num_tokens(self) -> int:
-        return self.state.num_tokens
+    def capacity(self) -> int:
+        return next(iter(self.buffers[0].values())).shape[1]
 
     @torch.no_grad()
     def run(self, next_ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
@@ -101,24 +107,26 @@ class MTPState:
         hidden state at a position (or the head's own ``g`` there) and the token after it.
         Returns ``g`` [len(next_ids), d_model], whose ``lm_head`` drafts the token after
         each ``next_ids[i]``."""
-        model, st = self.model, self.state
-        T, S = len(next_ids), st.num_tokens
+        model, S, T = self.model, self.num_tokens, len(next_ids)
         if T == 0 or hidden.shape[0] != T:
             raise ValueError(f"expected one hidden row per token, got {hidden.shape[0]} rows "
                              f"for {T} tokens")
+        if S + T > self.capacity:
+            grown = self._alloc(max(2 * self.capacity, S + T))
+            for name, t in self.buffers[0].items():
+                grown[0][name][:, :S] = t[:, :S]
+            self.buffers = grown
         p = model.anchor
         ids = torch.tensor(next_ids, device=p.device)
-        buffers = SequenceState.as_buffers([st], self.specs, extra_rows=T)
-        ctx = Context.prefill([S], [T], [0], [[0]], buffers, block_size=S + T,
+        ctx = Context.prefill([S], [T], [0], [[0]], self.buffers, block_size=self.capacity,
                               device=p.device, last_logits=False)
         g = model.mtp(model.embed_tokens(ids[None]), hidden[None].to(p.dtype), ctx)[0]
-        SequenceState.take_buffers([st], buffers, self.specs, [S + T])
+        self.num_tokens = S + T
         return g
 
     def truncate(self, num_tokens: int) -> None:
-        """Keep the first ``num_tokens`` rows (drafts' rows are taken back this way)."""
-        st = self.state
-        if not 0 <= num_tokens <= st.num_tokens:
-            raise ValueError(f"num_tokens must be in [0, {st.num_tokens}], got {num_tokens}")
-        st.tensors = [tuple(t[:num_tokens] for t in ts) for ts in st.tensors]
-        st.num_tokens = num_tokens
+        """Keep the first ``num_tokens`` rows (drafts' rows are taken back this way: rows
+        past them are overwritten by the next run)."""
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise ValueError(f"num_tokens must be in [0, {self.num_tokens}], got {num_tokens}")
+        self.num_tokens = num_tokens

@@ -3,15 +3,17 @@ what multi-token-prediction drafts read (:class:`hyla.serve.mtp_drafter.MTPDraft
 
 Each slot keeps one run of consecutive positions. Rows written at a position inside the run
 replace it from there on (a verify's rejected drafts are overwritten by the tokens that
-follow); rows that leave a gap, or a slot reset, start a new run. A run keeps at most its
-last ``keep`` rows.
+follow); rows that leave a gap, or a slot reset, start a new run. A run keeps its last
+``keep`` rows at least and ``2 * keep`` at most (trimmed when it passes that: a cost
+spread over ``keep`` rows, not paid on each). Rows are copies: a decode step's rows are
+slices of its whole output, logits included, which a view would keep alive.
 
 Example:
     >>> import torch
-    >>> log = HiddenLog(keep=4)
+    >>> log = HiddenLog(keep=2)
     >>> log.put(0, 0, torch.zeros(3, 2)); log.put(0, 3, torch.ones(2, 2))
-    >>> log.span(0)                 # only the last 4 rows are kept
-    (1, 5)
+    >>> log.span(0)                 # past 2 * keep rows: the last 2 are kept
+    (3, 5)
     >>> log.put(0, 4, torch.full((1, 2), 7.0)); log.rows(0, 3, 5)[:, 0].tolist()
     [1.0, 7.0]
 """
@@ -36,9 +38,9 @@ class HiddenLog:
         elif start < run[0] + run[2]:
             run = (run[0], [self._cat(run)[:start - run[0]]], start - run[0])
         first, parts, n = run
-        parts.append(rows.detach())
+        parts.append(rows.detach().clone())
         n += rows.shape[0]
-        if n > self.keep:
+        if n > 2 * self.keep:
             parts = [torch.cat(parts)[n - self.keep:].clone()]
             first, n = first + n - self.keep, self.keep
         self._runs[slot] = (first, parts, n)

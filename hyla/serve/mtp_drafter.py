@@ -39,30 +39,31 @@ def check_mtp(model: HylaLM) -> None:
     """ValueError unless ``model`` has MTP layers to draft with."""
     if getattr(model, "mtp", None) is None:
         raise ValueError("--speculative mtp: this model has no multi-token-prediction layers "
-                         "(only a checkpoint that ships them has: Qwen3-Next's and Qwen3.5's "
-                         "mtp.* tensors; transformers' save_pretrained leaves them out); use "
-                         "--speculative ngram or draft:SOURCE")
+                         "(a checkpoint that ships them has: Qwen3-Next's and Qwen3.5's mtp.* "
+                         "tensors, which transformers' save_pretrained leaves out; "
+                         "hyla.train.mtp_head trains one for any model); use --speculative "
+                         "ngram or draft:SOURCE")
 
 
 class MTPDrafter(BackOff):
     """Drafts for one sequence from ``model.mtp``: up to ``k`` greedy tokens, stopping
     before one whose probability under the head is below ``confidence`` (0: never), backing
-    off 1, 2 ... 64 plain steps after a verify that keeps none. Its MTP state holds at most
-    ``2 * window`` positions, then starts again from the last ``window`` (the hidden log
-    keeps that many). ``batches`` False: the engine drafts only for a request decoding
-    alone."""
+    off 1, 2 ... 64 plain steps after a verify that keeps none. Its MTP state grows with the
+    sequence; where the log lacks positions it has not seen (it keeps the last 4096 at
+    least: a request that decoded in a batch for longer, or one whose prompt was prefilled
+    elsewhere) it starts again from what the log holds. ``batches`` False: the engine
+    drafts only for a request decoding alone."""
 
     batches = False
     needs_hidden = True         # attach() it to the log of the runner computing the target
 
-    def __init__(self, model: HylaLM, k: int, *, window: int = 2048,
-                 confidence: float = 0.0):
+    def __init__(self, model: HylaLM, k: int, *, confidence: float = 0.0):
         check_mtp(model)
         if k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
         if not 0 <= confidence < 1:
             raise ValueError(f"confidence must be in [0, 1), got {confidence}")
-        self.model, self.k, self.window, self.confidence = model, k, window, confidence
+        self.model, self.k, self.confidence = model, k, confidence
         self.log: HiddenLog | None = None
         self.slot = 0
         self.state: MTPState | None = None
@@ -112,9 +113,8 @@ class MTPDrafter(BackOff):
         if end < n:
             return None
         st = self.state
-        if st is None or not first <= self.upto <= n or st.num_tokens > 2 * self.window:
-            base = max(first, n - self.window)
-            self.state, self.upto, self._g = MTPState(self.model, base), base, None
+        if st is None or not first <= self.upto <= n:
+            self.state, self.upto, self._g = MTPState(self.model, first), first, None
             st = self.state
         if self.upto < n:
             g = st.run(tokens[self.upto + 1:n + 1], self.log.rows(self.slot, self.upto, n))

@@ -32,12 +32,18 @@ from hyla.model.context import Context
 from hyla.model.mtp import MTPHead
 
 
-def with_mtp_head(model: HylaLM, layers: int = 1) -> HylaLM:
-    """``model`` with a fresh MTP head of ``layers`` layers (its config's ``mtp_layers``
-    set), on the model's device and in its dtype, and the rest of it frozen (no gradients).
-    The block starts as a copy of the stack's last softmax-attention layer (a better start
-    than noise)."""
-    cfg = dataclasses.replace(model.cfg, mtp_layers=layers)
+def with_mtp_head(model: HylaLM) -> HylaLM:
+    """``model`` with a fresh one-layer MTP head (its config's ``mtp_layers`` 1; drafting
+    runs the first layer alone), on the model's device and in its dtype, and the rest of it
+    frozen (no gradients). The block starts as a copy of the stack's last softmax-attention
+    layer (a better start than noise). Train it before quantising the model."""
+    if getattr(model, "quantized", None) not in (None, "none"):
+        raise ValueError(f"with_mtp_head: the model is quantised ({model.quantized}): give it "
+                         f"a head, train it, then quantise")
+    if "A" not in model.cfg.layers:
+        raise ValueError(f"with_mtp_head: the model has no softmax-attention layer ('A') for "
+                         f"the head to copy (layers {model.cfg.layers!r})")
+    cfg = dataclasses.replace(model.cfg, mtp_layers=1)
     head = MTPHead(cfg)
     model._init_weights(head.fc)
     at = model.cfg.layers.rindex("A")
@@ -57,6 +63,8 @@ def mtp_distill_step(model: HylaLM, ids: torch.Tensor, opt: torch.optim.Optimize
     model's forward is most of a step's work). Returns the loss."""
     if ids.dim() != 2 or ids.shape[1] < 3:
         raise ValueError(f"ids must be [B, T] with T >= 3, got {tuple(ids.shape)}")
+    if getattr(model, "mtp", None) is None:
+        raise ValueError("the model has no MTP head to train: with_mtp_head(model) first")
     with torch.no_grad():
         h = model(ids, hidden=True) if hidden is None else hidden      # [B, T, d]
         want = F.log_softmax(model.lm_head(h[:, 1:-1]).float(), dim=-1)

@@ -165,3 +165,67 @@ def test_decode_worker_takes_the_speculative_flags(oracle):
         assert async_engine.engine.runner.hidden_log is not None
     finally:
         rx.close()
+
+
+def test_the_hidden_log_keeps_copies_and_trims_in_batches():
+    """A decode step's rows are slices of its whole output (logits too): the log must not
+    keep that alive (found: 346 MB held for 0.7 MB of rows), and it trims past 2 * keep
+    rows, not on every row past keep (found: 28 ms a row at d = 2048)."""
+    from hyla.serve.hidden_log import HiddenLog
+
+    log = HiddenLog(keep=8)
+    out = torch.randn(3, 32000 + 4)
+    log.put(0, 0, out[:1, -4:])
+    assert log.rows(0, 0, 1).untyped_storage().nbytes() == 4 * 4
+    for p in range(1, 16):
+        log.put(0, p, torch.full((1, 4), float(p)))
+    assert log.span(0) == (0, 16)           # 2 * keep rows: all kept
+    log.put(0, 16, torch.zeros(1, 4))       # one more: the last keep rows
+    assert log.span(0) == (9, 17)
+    assert log.rows(0, 9, 11)[:, 0].tolist() == [9.0, 10.0]
+
+
+def test_the_mtp_state_grows_in_place(oracle):
+    """One run, and runs of 1-5 pairs through a state that starts with room for 4 rows
+    (doubling as it fills), give the same outputs."""
+    from hyla.model.mtp import MTPState
+
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        h = oracle(ids[None], hidden=True)[0]
+    whole = MTPState(oracle).run(ids[1:].tolist(), h[:-1])
+    st, parts, at = MTPState(oracle, capacity=4), [], 0
+    while at < 39:
+        n = min(1 + at % 5, 39 - at)
+        parts.append(st.run(ids[at + 1:at + 1 + n].tolist(), h[at:at + n]))
+        at += n
+    assert st.capacity >= 39 and torch.allclose(torch.cat(parts), whole, atol=1e-5)
+    st.truncate(10)
+    again = st.run(ids[11:20].tolist(), h[10:19])       # rows past 10 overwritten
+    assert torch.allclose(again, whole[10:19], atol=1e-5)
+
+
+def test_mtp_head_refusals(oracle):
+    from hyla.model.quantize import quantize_model
+
+    plain = HylaLM(preset("debug")).eval()
+    with pytest.raises(ValueError, match="no MTP head to train"):
+        mtp_distill_step(plain, torch.zeros(1, 8, dtype=torch.long), None)
+    with pytest.raises(ValueError, match="no softmax-attention layer"):
+        with_mtp_head(HylaLM(dataclasses.replace(preset("debug"), layers="GG")))
+    quantize_model(plain, "int8")
+    with pytest.raises(ValueError, match="quantised"):
+        with_mtp_head(plain)
+
+
+def test_an_export_without_room_for_the_head_says_so(oracle, tmp_path, capsys):
+    """Llama's format has no place for an MTP head: the export says it leaves it out and
+    counts the parameters it wrote (found: silently dropped, the count including it)."""
+    from hyla.cli.main import main
+
+    ckpt = save_checkpoint(oracle, tmp_path / "ckpt", ByteTokenizer())
+    assert main(["export", str(ckpt), str(tmp_path / "out")]) == 0
+    said = capsys.readouterr().out
+    assert "multi-token-prediction head" in said and "left out" in said
+    head = sum(p.numel() for p in oracle.mtp.parameters())
+    assert f"{oracle.num_parameters() - head:,} parameters" in said
