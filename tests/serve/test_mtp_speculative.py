@@ -229,3 +229,13 @@ def test_an_export_without_room_for_the_head_says_so(oracle, tmp_path, capsys):
     assert "multi-token-prediction head" in said and "left out" in said
     head = sum(p.numel() for p in oracle.mtp.parameters())
     assert f"{oracle.num_parameters() - head:,} parameters" in said
+
+
+def test_the_cli_names_a_missing_head_first(tmp_path, capsys):
+    """``--speculative mtp`` on a model without a head fails naming it, even with a
+    temperature that would leave speculation unused (found: "not used" instead)."""
+    from hyla.cli.main import main
+
+    assert main(["generate", "--preset", "debug", "--prompt", "hi", "--max-tokens", "2",
+                 "--speculative", "mtp"]) == 2
+    assert "no multi-token-prediction layers" in capsys.readouterr().err
