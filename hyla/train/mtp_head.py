@@ -45,7 +45,7 @@ def with_mtp_head(model: HylaLM) -> HylaLM:
                          f"the head to copy (layers {model.cfg.layers!r})")
     cfg = dataclasses.replace(model.cfg, mtp_layers=1)
     head = MTPHead(cfg)
-    model._init_weights(head.fc)
+    torch.nn.init.normal_(head.fc.weight, 0.0, cfg.initializer_range)   # as HylaLM's
     at = model.cfg.layers.rindex("A")
     for block in head.layers:
         block.load_state_dict(model.blocks[at].state_dict())
