@@ -125,8 +125,9 @@ def add_serve(sub) -> argparse.ArgumentParser:
                    help="bytes for those snapshots (2G, 512MB, or a fraction of RAM), least "
                         "recently used evicted first (default: 8 per --max-num-seqs within 256 "
                         "MiB, at least one per sequence)")
-    add_speculative(p, "draft:SOURCE for a request decoding alone; ngram for several "
-                       "decoding together too, on a compiled model without fixed-size state")
+    add_speculative(p, "mtp and draft:SOURCE for a request decoding alone; ngram for "
+                       "several decoding together too, on a compiled model without "
+                       "fixed-size state")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--compile", action="store_true",
                       help="torch.compile the decode step, one graph a batch width, built in "
@@ -245,6 +246,11 @@ def cmd_serve(args: argparse.Namespace, out: Console) -> int:
                   f"{format_bytes(engine.kv_cache_bytes)} reserved "
                   f"({blocks * config.block_size // args.max_model_len} full-length "
                   f"sequences{lazy})")
+    if config.speculative:
+        out.print(f"speculative decoding: {config.speculative}, up to "
+                  f"{config.num_speculative_tokens} drafts a step"
+                  + (" for a request decoding alone" if config.speculative != "ngram"
+                     else ""))
     pc = engine.scheduler.prefix_cache
     if pc is not None and pc.num_snapshots:
         out.print(f"prefix cache: {pc.num_snapshots} state snapshots every "
