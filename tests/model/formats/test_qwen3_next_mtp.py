@@ -39,6 +39,9 @@ def mtp_reference(case: str, seed: int = 5):
              "layers.0": layer_cls(cfg, last_attn)}
     for m in parts.values():
         m.eval()
+        with torch.no_grad():   # a module built alone is not initialised (experts: torch.empty)
+            for p in m.parameters():
+                p.normal_(0.0, 0.05)
         randomise(m, seed)
         with torch.no_grad():
             for name, p in m.named_parameters():
