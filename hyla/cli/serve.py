@@ -186,8 +186,10 @@ def cmd_generate(args: argparse.Namespace, out: Console) -> int:
     sys.stdout.write(args.prompt + text + "\n")
     sys.stdout.flush()
     if not args.quiet:
-        Console(stderr=True, soft_wrap=True).print(f"[dim]{speed_line(load_s, timing)}[/]",
-                                                   highlight=False)
+        kept = (f"; {args.speculative} drafts: {draft.accepted} of {draft.drafted} kept"
+                if draft is not None else "")
+        Console(stderr=True, soft_wrap=True).print(
+            f"[dim]{speed_line(load_s, timing)}{kept}[/]", highlight=False)
     return 0
 
 

@@ -6,6 +6,7 @@ each request; a model saved with its head loads with it."""
 
 import dataclasses
 import random
+import re
 
 import pytest
 import torch
@@ -239,3 +240,11 @@ def test_the_cli_names_a_missing_head_first(tmp_path, capsys):
     assert main(["generate", "--preset", "debug", "--prompt", "hi", "--max-tokens", "2",
                  "--speculative", "mtp"]) == 2
     assert "no multi-token-prediction layers" in capsys.readouterr().err
+
+
+def test_generate_says_how_many_drafts_were_kept(tmp_path, capsys):
+    from hyla.cli.main import main
+
+    assert main(["generate", "--preset", "debug", "--prompt", "abcabcabcabc",
+                 "--max-tokens", "24", "--temperature", "0", "--speculative", "ngram"]) == 0
+    assert re.search(r"ngram drafts: \d+ of \d+ kept", capsys.readouterr().err)
