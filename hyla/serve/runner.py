@@ -466,8 +466,9 @@ class Runner:
         if self.hidden_log is None:
             return out
         d = self.model.cfg.d_model      # (_decode_impl put each row's hidden state last)
-        self._log([(s, (0,), p, None) for s, p in zip(slots, positions, strict=True)],
-                  out[:, -d:])
+        for b, (slot, pos) in enumerate(zip(slots, positions, strict=True)):
+            if slot != self.pad_slot:
+                self.hidden_log.put(slot, pos, out[b:b + 1, -d:])
         return out[:, :-d].contiguous()
 
     @torch.inference_mode()   # cheaper than no_grad a call: no version counters
