@@ -82,6 +82,12 @@ class HylaConfig:
     # each a block like the stack's last softmax-attention layer; they draft tokens for
     # speculative decoding (--speculative mtp) and take no part in the model's own forward.
     mtp_layers: int = 0
+    # How they are built (hyla.model.mtp.mtp_config), where the checkpoint's differ from
+    # Qwen3-Next's: "like", the index of the stack layer whose config they copy (default:
+    # the last 'A'); "ffn", their FFN letter (default: that layer's); "per_layer_fusion",
+    # each MTP layer with its own fusion and final norm (DeepSeek's and MiMo-V2-Flash's
+    # layout) rather than one for all (Qwen3-Next's).
+    mtp_options: dict = field(default_factory=dict)
     # The transformers model_type a model was loaded from, which export writes back; None
     # for hyla's own models. hf_extras: fields of its config.json that do not change what
     # the model computes but that other engines read (max_position_embeddings, the special
@@ -135,6 +141,25 @@ class HylaConfig:
         if self.mtp_layers and "A" not in self.layers:
             raise ValueError(f"mtp_layers={self.mtp_layers} needs a softmax-attention layer "
                              f"('A') to copy, got layers {self.layers!r}")
+        self._check_mtp_options()
+
+    def _check_mtp_options(self) -> None:
+        o = self.mtp_options
+        if not isinstance(o, dict) or set(o) - {"like", "ffn", "per_layer_fusion"}:
+            raise ValueError(f"mtp_options must be a dict of some of 'like', 'ffn', "
+                             f"'per_layer_fusion', got {o!r}")
+        like = o.get("like")
+        if like is not None and (not isinstance(like, int) or isinstance(like, bool)
+                                 or not 0 <= like < self.n_layers
+                                 or self.layers[like] != "A"):
+            raise ValueError(f"mtp_options['like'] must index a softmax-attention layer "
+                             f"('A') of layers {self.layers!r}, got {like!r}")
+        if "ffn" in o and o["ffn"] not in FFNS:
+            raise ValueError(f"mtp_options['ffn'] must be one of {sorted(FFNS)}, "
+                             f"got {o['ffn']!r}")
+        if not isinstance(o.get("per_layer_fusion", False), bool):
+            raise ValueError(f"mtp_options['per_layer_fusion'] must be a bool, "
+                             f"got {o['per_layer_fusion']!r}")
 
     def _check_layer_fields(self) -> None:
         if self.ffn_layers is not None:
@@ -247,7 +272,7 @@ class HylaConfig:
 
 # Fields that shape the whole model and so cannot differ by layer.
 _GLOBAL_FIELDS = {"vocab_size", "d_model", "layers", "ffn_layers", "layer_overrides",
-                  "mtp_layers",
+                  "mtp_layers", "mtp_options",
                   "tie_embeddings", "family", "hf_extras", "initializer_range",
                   "norm_zero_centred", "embedding_scale", "logit_scale"}
 

@@ -41,43 +41,56 @@ from hyla.model.mixers import layer_specs
 
 
 def mtp_config(cfg: HylaConfig) -> HylaConfig:
-    """The config of ``cfg``'s MTP layers: its last softmax-attention layer's (without a
-    window), one layer (and its FFN kind) per MTP layer."""
-    at = cfg.layers.rindex("A")
+    """The config of ``cfg``'s MTP layers: a copy of one stack layer's, window included
+    (``cfg.mtp_options["like"]``; default the last softmax-attention layer), one layer (and
+    its FFN kind, or ``mtp_options["ffn"]``) per MTP layer."""
+    o = cfg.mtp_options
+    at = o.get("like", cfg.layers.rindex("A"))
     n = max(1, cfg.mtp_layers)
-    # full attention, as the checkpoints' MTP layers are (a window's ring could not take
-    # drafts back by length)
     return dataclasses.replace(cfg.layer_config(at), layers="A" * n,
-                               ffn_layers=cfg.ffn_letter(at) * n, layer_overrides=None,
-                               mtp_layers=0, sliding_window=None)
+                               ffn_layers=o.get("ffn", cfg.ffn_letter(at)) * n,
+                               layer_overrides=None, mtp_layers=0, mtp_options={})
 
 
 class MTPHead(nn.Module):
     """A model's MTP layers (``cfg.mtp_layers`` of them; the names are the checkpoints'
-    ``mtp.*`` ones). ``forward(embeds, hidden, ctx, layer)`` -> ``g`` [B, T, d_model]."""
+    ``mtp.*`` ones). ``forward(embeds, hidden, ctx, layer)`` -> ``g`` [B, T, d_model].
+    With ``mtp_options["per_layer_fusion"]`` the fusion (``fc`` and its two norms) and the
+    final ``norm`` are lists, one a layer."""
 
     def __init__(self, cfg: HylaConfig):
         super().__init__()
         self.cfg = mtp_config(cfg)
         d, eps, zc = cfg.d_model, cfg.norm_eps, cfg.norm_zero_centred
-        self.fc = nn.Linear(2 * d, d, bias=False)
-        self.pre_fc_norm_embedding = RMSNorm(d, eps=eps, zero_centred=zc)
-        self.pre_fc_norm_hidden = RMSNorm(d, eps=eps, zero_centred=zc)
+        per_layer = cfg.mtp_options.get("per_layer_fusion", False)
+
+        def one(make):
+            return nn.ModuleList(make() for _ in range(cfg.mtp_layers)) if per_layer \
+                else make()
+
+        self.fc = one(lambda: nn.Linear(2 * d, d, bias=False))
+        self.pre_fc_norm_embedding = one(lambda: RMSNorm(d, eps=eps, zero_centred=zc))
+        self.pre_fc_norm_hidden = one(lambda: RMSNorm(d, eps=eps, zero_centred=zc))
         self.layers = nn.ModuleList(Block(self.cfg, "A", i) for i in range(cfg.mtp_layers))
-        self.norm = RMSNorm(d, eps=eps, zero_centred=zc)
+        self.norm = one(lambda: RMSNorm(d, eps=eps, zero_centred=zc))
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, ctx: Context,
                 layer: int = 0) -> torch.Tensor:
-        x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)],
-                      dim=-1)
-        return self.norm(self.layers[layer](self.fc(x), ctx))
+        def at(m):
+            return m[layer] if isinstance(m, nn.ModuleList) else m
+
+        x = torch.cat([at(self.pre_fc_norm_embedding)(embeds),
+                       at(self.pre_fc_norm_hidden)(hidden)], dim=-1)
+        return at(self.norm)(self.layers[layer](at(self.fc)(x), ctx))
 
 
 class MTPState:
     """One sequence's keys and values in a model's first MTP layer (the one that drafts:
     each further draft runs it again, as vLLM does for these families), and the runs that
     extend it. They live in one buffer that doubles when full, so a draft step writes its
-    row in place (no copy of the state a step).
+    row in place (no copy of the state a step), and a draft's rows are taken back by
+    length. A window layer (MiMo-V2-Flash's) keeps every row there too: each run sees a
+    ring built from the window before it, so what is taken back never hides a row.
 
     Its rows are positions ``base, base + 1, ...`` of the target's sequence; rotary
     attention depends only on distances, so a state that starts late (``base`` > 0) is one
@@ -87,15 +100,19 @@ class MTPState:
         if getattr(model, "mtp", None) is None:
             raise ValueError("the model has no multi-token-prediction layers (mtp_layers=0)")
         self.model, self.base, self.num_tokens = model, base, 0
-        self.specs = layer_specs(model.mtp.cfg)[:1]
-        if self.specs[0].fixed:
+        spec = layer_specs(model.mtp.cfg)[0]
+        self.window = spec.window
+        if spec.fixed and self.window is None:
             raise ValueError("an MTP layer with fixed-size state cannot take drafts back")
+        # one token's row of each tensor (a ring's entries are [window, *row])
+        self.rows = [(e.name, e.shape[1:] if self.window else e.shape, e.dtype)
+                     for e in spec.fixed or spec.per_token]
         self.buffers = self._alloc(capacity)
 
     def _alloc(self, rows: int) -> list[dict[str, torch.Tensor]]:
         p = self.model.anchor
-        return [{e.name: torch.zeros(1, rows, *e.shape, dtype=e.resolve(p.dtype),
-                                     device=p.device) for e in self.specs[0].per_token}]
+        return [{name: torch.zeros(1, rows, *shape, dtype=dtype or p.dtype, device=p.device)
+                 for name, shape, dtype in self.rows}]
 
     @property
     def capacity(self) -> int:
@@ -107,7 +124,7 @@ class MTPState:
         hidden state at a position (or the head's own ``g`` there) and the token after it.
         Returns ``g`` [len(next_ids), d_model], whose ``lm_head`` drafts the token after
         each ``next_ids[i]``."""
-        model, S, T = self.model, self.num_tokens, len(next_ids)
+        S, T = self.num_tokens, len(next_ids)
         if T == 0 or hidden.shape[0] != T:
             raise ValueError(f"expected one hidden row per token, got {hidden.shape[0]} rows "
                              f"for {T} tokens")
@@ -116,12 +133,36 @@ class MTPState:
             for name, t in self.buffers[0].items():
                 grown[0][name][:, :S] = t[:, :S]
             self.buffers = grown
+        if self.window is None:
+            return self._run(next_ids, hidden, self.buffers)
+        W = self.window          # chunks of at most W rows: each one's rows all reach the ring
+        return torch.cat([self._run_ring(next_ids[c:c + W], hidden[c:c + W])
+                          for c in range(0, T, W)])
+
+    def _run(self, next_ids: list[int], hidden: torch.Tensor, buffers) -> torch.Tensor:
+        model, S, T = self.model, self.num_tokens, len(next_ids)
         p = model.anchor
         ids = torch.tensor(next_ids, device=p.device)
-        ctx = Context.prefill([S], [T], [0], [[0]], self.buffers, block_size=self.capacity,
+        ctx = Context.prefill([S], [T], [0], [[0]], buffers, block_size=self.capacity,
                               device=p.device, last_logits=False)
         g = model.mtp(model.embed_tokens(ids[None]), hidden[None].to(p.dtype), ctx)[0]
         self.num_tokens = S + T
+        return g
+
+    def _run_ring(self, next_ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        """One run of at most ``window`` pairs through a window layer: the ring holds the
+        rows of the window before them, then gives their rows back to the buffer."""
+        S, T, W = self.num_tokens, len(next_ids), self.window
+        buf = self.buffers[0]
+        held = torch.arange(max(0, S - W), S)
+        ring = {}
+        for name, t in buf.items():
+            ring[name] = t.new_zeros(1, W, *t.shape[2:])
+            ring[name][0, held % W] = t[0, held]
+        g = self._run(next_ids, hidden, [ring])
+        new = torch.arange(S, S + T)
+        for name, t in buf.items():
+            t[0, new] = ring[name][0, new % W]
         return g
 
     def truncate(self, num_tokens: int) -> None:

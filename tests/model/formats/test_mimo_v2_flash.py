@@ -115,18 +115,128 @@ def test_refusals(saved, tmp_path, field, value):
     assert "config.json" in str(err.value)
 
 
-def test_mtp_tensors_are_dropped_with_a_note(saved, tmp_path, caplog):
+def mtp_parts(ref, n: int = 2, seed: int = 3) -> dict:
+    """MiMo's MTP layers built from transformers' own modules, as vLLM and SGLang run them:
+    per layer enorm, hnorm, eh_proj, a decoder layer like the stack's window layers with a
+    dense MLP (layer 2 of mimo_model is one), final_layernorm; every weight randomised."""
+    mod, cfg = reference("mimo_v2_flash"), ref.config
+    d, eps = cfg.hidden_size, cfg.rms_norm_eps
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(n):
+        parts = {"enorm": mod.MiMoV2FlashRMSNorm(d, eps), "hnorm": mod.MiMoV2FlashRMSNorm(d, eps),
+                 "eh_proj": torch.nn.Linear(2 * d, d, bias=False),
+                 "block": mod.MiMoV2FlashDecoderLayer(cfg, 2),
+                 "final_layernorm": mod.MiMoV2FlashRMSNorm(d, eps)}
+        with torch.no_grad():   # modules built alone are not initialised
+            for m in parts.values():
+                m.eval()
+                for name, p in m.named_parameters():
+                    p.normal_(1.0 if "norm" in name or isinstance(
+                        m, mod.MiMoV2FlashRMSNorm) else 0.0, 0.3 if "norm" in name else 0.1)
+        layers.append(parts)
+    return layers
+
+
+def with_mtp(path, dest, layers, block_norm="pre_mlp_layernorm"):
+    """A copy of the saved model whose file holds ``layers`` as ``model.mtp.layers.{j}.*``
+    (the release's names; ``block_norm``: the block's second norm's)."""
     from safetensors.torch import load_file, save_file
 
-    _, path = saved
+    dest.mkdir()
     for f in path.iterdir():
-        (tmp_path / f.name).write_bytes(f.read_bytes())
-    weights = load_file(tmp_path / "model.safetensors")
-    weights["model.mtp.layers.0.proj.weight"] = torch.zeros(2, 2)
-    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with caplog.at_level("INFO"):
-        load_model(tmp_path)
-    assert "multi-token-prediction" in caplog.text
+        (dest / f.name).write_bytes(f.read_bytes())
+    w = load_file(dest / "model.safetensors")
+    for j, parts in enumerate(layers):
+        for name, m in parts.items():
+            for k, v in m.state_dict().items():
+                k = k.replace("post_attention_layernorm", block_norm)
+                k = k if name == "block" else f"{name}.{k}"
+                w[f"model.mtp.layers.{j}.{k}"] = v.contiguous()
+    save_file(w, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+def mtp_want(ref, parts, ids, h):
+    """The reference MTP layer's output at each pair (h[p], ids[p + 1]): its window mask."""
+    x = parts["eh_proj"](torch.cat([parts["enorm"](ref.model.embed_tokens(ids[None, 1:])),
+                                    parts["hnorm"](h[None, :-1])], dim=-1))
+    n = x.shape[1]
+    pos = torch.arange(n)[None]
+    i, j = pos[0, :, None], pos[0, None, :]
+    mask = torch.zeros(n, n).masked_fill((j > i) | (i - j >= WINDOW), float("-inf"))
+    y = parts["block"](x, attention_mask=mask[None, None], position_ids=pos,
+                       position_embeddings=ref.model.rotary_emb(x, pos, "sliding_attention"))
+    return parts["final_layernorm"](y)[0]
+
+
+@pytest.mark.parametrize("block_norm", ["pre_mlp_layernorm", "post_attention_layernorm"])
+def test_mtp_layers_match_transformers_modules(saved, tmp_path, block_norm):
+    from hyla.model.context import Context
+    from hyla.model.mtp import MTPState
+
+    ref, path = saved
+    layers = mtp_parts(ref)
+    model, _ = load_model(with_mtp(path, tmp_path / "mtp", layers, block_norm))
+    assert model.cfg.mtp_layers == 2 and model.mtp.cfg.sliding_window == WINDOW
+    ids = torch.randint(0, VOCAB, (T,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        h = model(ids[None], hidden=True)[0]
+        want = [mtp_want(ref, parts, ids, h) for parts in layers]
+        state = MTPState(model)
+        got = state.run(ids[1:].tolist(), h[:-1])            # longer than the window
+        pieces = MTPState(model)                             # as drafting feeds it
+        split = [pieces.run(ids[1:10].tolist(), h[:9])]
+        for p in range(9, T - 1):
+            pieces.run([5], h[p:p + 1])         # a draft's row, taken back
+            pieces.truncate(p)
+            split.append(pieces.run([int(ids[p + 1])], h[p:p + 1]))
+        # the second layer, in a training forward (each layer has its own fusion)
+        second = model.mtp(model.embed_tokens(ids[None, 1:]), h[None, :-1],
+                           Context.train(ids[None, 1:]), layer=1)[0]
+    assert rel(got, want[0]) <= 1e-4, rel(got, want[0])
+    assert rel(torch.cat(split), want[0]) <= 1e-4
+    assert rel(second, want[1]) <= 1e-4
+
+
+def test_mtp_layers_export_back_and_draft(saved, tmp_path):
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    from hyla.model.formats.families.mimo_v2_flash import FAMILY
+
+    ref, path = saved
+    model, tok = load_model(with_mtp(path, tmp_path / "mtp", mtp_parts(ref)))
+    ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(1))
+    out = tmp_path / "out"       # transformers still reads it (leaving model.mtp.* out)
+    check_export(model, tok, out, transformers, ref, ids)
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 2
+    assert "model.mtp.layers.1.pre_mlp_layernorm.weight" in load_file(out / "model.safetensors")
+    with pytest.raises(ValueError, match="mtp_options"):
+        FAMILY.from_config(dataclasses.replace(model.cfg, mtp_options={}))
+    # greedy output with MTP drafts is the model's own
+    eng = Engine(model, None, EngineConfig(max_model_len=96, block_size=4))
+    spec = Engine(model, None, EngineConfig(max_model_len=96, block_size=4, speculative="mtp",
+                                            num_speculative_tokens=3))
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompt = ids[0].tolist()
+    (plain,), (drafted,) = eng.generate([prompt], greedy), spec.generate([prompt], greedy)
+    assert drafted.output_ids == plain.output_ids
+    assert spec.stats["draft_tokens"] > 0
+
+
+def test_partial_mtp_layers_refused_by_name(saved, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    ref, path = saved
+    dest = with_mtp(path, tmp_path / "partial", mtp_parts(ref, n=1))
+    w = load_file(dest / "model.safetensors")
+    del w["model.mtp.layers.0.hnorm.weight"]
+    w["model.mtp.layers.0.proj.weight"] = torch.zeros(2, 2)
+    save_file(w, dest / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.mtp.layers.0.hnorm.weight"):
+        load_model(dest)
 
 
 def test_missing_fields_read_as_transformers_reads_them(saved):

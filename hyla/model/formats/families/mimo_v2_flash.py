@@ -13,7 +13,12 @@ What maps onto hyla, read from transformers' ``modeling_mimo_v2_flash.py``:
   MoE (``E``): sigmoid router with ``e_score_correction_bias``, group-limited top-k
   (``n_group``, ``topk_group``), ``norm_topk_prob``, ``routed_scaling_factor``, no shared
   expert;
-- multi-token-prediction tensors (``model.mtp.*``) are dropped with a logged note.
+- multi-token-prediction layers (``model.mtp.layers.{j}.*``, which transformers leaves
+  out) load into :class:`hyla.model.mtp.MTPHead` (``--speculative mtp``) and export back,
+  laid out as vLLM and SGLang read them: each layer its own ``enorm``, ``hnorm``,
+  ``eh_proj`` and ``final_layernorm`` around a block built like the stack's window layers
+  (window, sinks, their heads and rope) with a dense FFN (``pre_mlp_layernorm`` its second
+  norm).
 
 Refused (ValueError naming the file and the field): another activation, non-default rope
 types, attention dropout, fields of the original release that transformers' class ignores
@@ -28,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from hyla.model.config import HylaConfig
@@ -148,6 +154,8 @@ def to_config(hf: dict, source: str) -> HylaConfig:
             mixer_options={"attention": common | {"partial_rotary_factor": partial}},
             ffn_options={"moe": moe} if "sparse" in mlp else {},
             layer_overrides=[slide if t == "sliding_attention" else {} for t in types],
+            mtp_options=_MTP_OPTIONS | ({"like": types.index("sliding_attention")}
+                                        if window else {}),
             family=KIND)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
@@ -186,14 +194,40 @@ def _layer_names(cfg: HylaConfig, i: int) -> dict[str, str]:
     return names
 
 
+# the MTP layers' own tensors, hyla's names (lists, one a layer) -> the file's
+_MTP_OWN = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm",
+            "pre_fc_norm_hidden": "hnorm", "norm": "final_layernorm"}
+# a window layer's attention, a dense FFN, each MTP layer its own fusion (vLLM's reading)
+_MTP_OPTIONS = {"ffn": "S", "per_layer_fusion": True}
+
+
+def _mtp_names(cfg: HylaConfig) -> dict[str, str]:
+    """hyla name -> file name of every MTP tensor (``cfg.mtp_layers`` of them)."""
+    from hyla.model.mtp import mtp_config
+
+    m, names = mtp_config(cfg), {}
+    for j in range(cfg.mtp_layers):
+        theirs = f"model.mtp.layers.{j}"
+        names |= {f"mtp.{ours}.{j}.weight": f"{theirs}.{file}.weight"
+                  for ours, file in _MTP_OWN.items()}
+        for ours, file in _layer_names(m, j).items():
+            file = file.replace("post_attention_layernorm", "pre_mlp_layernorm")
+            names[f"mtp.layers.{j}.{ours}"] = f"{theirs}.{file}"
+    return names
+
+
+def _mtp_to_hyla(weights: dict, cfg: HylaConfig, source: str) -> dict:
+    """The file's MTP tensors by hyla's names; ``{}`` when it holds none."""
+    n = len({k.split(".")[3] for k in weights if k.startswith("model.mtp.layers.")})
+    for k in [k for k in weights if k.startswith("model.mtp.layers.")
+              and ".post_attention_layernorm." in k]:     # the name some conversions write
+        weights[k.replace("post_attention_layernorm", "pre_mlp_layernorm")] = weights.pop(k)
+    names = _mtp_names(dataclasses.replace(cfg, mtp_layers=n)) if n else {}
+    return {ours: take(weights, theirs, source) for ours, theirs in names.items()}
+
+
 def to_state(weights: dict, cfg: HylaConfig, source: str) -> dict:
     weights = dict(weights)
-    mtp = sorted(k for k in weights if k.startswith("model.mtp."))
-    if mtp:
-        log.info("%s: dropping %d multi-token-prediction tensors (model.mtp.*): hyla predicts "
-                 "one token", source, len(mtp))
-        for k in mtp:
-            weights.pop(k)
     for k in [k for k in weights if k.endswith(".self_attn.sinks")]:   # in-memory name
         weights[k.replace(".sinks", ".attention_sink_bias")] = weights.pop(k)
     out = head_to_hyla(weights, cfg, source)
@@ -204,6 +238,7 @@ def to_state(weights: dict, cfg: HylaConfig, source: str) -> dict:
             opts = _moe_options(cfg, i)
             out |= moe_to_hyla(weights, f"model.layers.{i}.mlp", f"blocks.{i}.mlp", opts,
                                NAMES, source)
+    out |= _mtp_to_hyla(weights, cfg, source)
     check_all_taken(weights, source)
     return out
 
@@ -222,6 +257,7 @@ def from_state(state: dict, cfg: HylaConfig) -> dict:
         if cfg.ffn_letter(i) == "E":
             out |= moe_from_hyla(state, f"blocks.{i}.mlp", f"model.layers.{i}.mlp",
                                  _moe_options(cfg, i), NAMES)
+    out |= {theirs: state[ours] for ours, theirs in _mtp_names(cfg).items()}
     return out
 
 
@@ -269,6 +305,12 @@ def from_config(cfg: HylaConfig) -> dict:
                               for i in range(cfg.n_layers)],
           "use_cache": True, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
           "torch_dtype": "float32", "dtype": "float32"}
+    if cfg.mtp_layers:      # what vLLM and SGLang read (transformers leaves model.mtp.* out)
+        if cfg.mtp_options != _expected_mtp_options(cfg):
+            raise ValueError(f"{KIND} export: the MTP layers must be built as MiMo's are "
+                             f"(mtp_options {_expected_mtp_options(cfg)}), got "
+                             f"{cfg.mtp_options}")
+        hf["num_nextn_predict_layers"] = cfg.mtp_layers
     if "E" in (cfg.ffn_layers or ""):
         o = _moe_options(cfg, (cfg.ffn_layers or "").index("E"))
         if o.router != "sigmoid" or not o.score_bias or o.shared_dim:
@@ -279,6 +321,11 @@ def from_config(cfg: HylaConfig) -> dict:
                "routed_scaling_factor": o.scaling, "n_group": o.n_group,
                "topk_group": o.topk_group}
     return hf
+
+
+def _expected_mtp_options(cfg: HylaConfig) -> dict:
+    slide = [i for i in range(cfg.n_layers) if cfg.layer_config(i).sliding_window]
+    return _MTP_OPTIONS | ({"like": slide[0]} if slide else {})
 
 
 FAMILY = register_family(Family((KIND,), "MiMoV2FlashForCausalLM", to_config, to_state,
