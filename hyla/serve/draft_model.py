@@ -19,8 +19,11 @@ Example:
     >>> from hyla.model import HylaLM, preset
     >>> draft = HylaLM(preset("debug")).eval()
     >>> d = ModelDrafter(draft, 3)
-    >>> len(d.draft([1, 2, 3, 4], room=8)), d.state.num_tokens    # fed 4 tokens + 2 drafts
-    (3, 6)
+    >>> len(d.draft([1, 2, 3, 4], room=8)), d.state.num_tokens    # one, to begin with
+    (1, 4)
+    >>> d.feedback(1, 1)                                    # all kept: up to k a step
+    >>> len(d.draft([1, 2, 3, 4, 5], room=8)), d.state.num_tokens  # fed 5 tokens + 2 drafts
+    (3, 7)
 """
 
 from __future__ import annotations
@@ -142,9 +145,9 @@ class ModelDrafter(BackOff):
 
     @torch.inference_mode()
     def draft(self, tokens: list[int], room: int) -> list[int]:
-        """Up to ``min(k, room)`` tokens the draft model expects after ``tokens`` (the whole
+        """Up to ``k`` tokens (fewer under the brakes, at most ``room``) the draft model expects after ``tokens`` (the whole
         sequence so far, its last token not yet verified)."""
-        n = min(self.k, room)
+        n = self.most(self.k, room)
         if n <= 0 or not tokens:
             return []
         if self.waiting():          # (the state catches up on the next draft)
@@ -165,6 +168,8 @@ class ModelDrafter(BackOff):
                 break
             logits = self.state.decode(drafts[-1])
             self.fed.append(drafts[-1])
+        if not drafts:
+            self.unsure()
         return drafts
 
     def close(self) -> None:

@@ -21,8 +21,10 @@ Example:
     >>> state, d = RunnerState(model), MTPDrafter(model, 3)
     >>> d.attach(state.keep_hidden(), 0)
     >>> _ = state.prefill([5, 6, 7, 8])      # the target computed 4 positions
-    >>> len(d.draft([5, 6, 7, 8, 9], room=8)), d.state.num_tokens  # drafts after token 9
-    (3, 4)
+    >>> len(d.draft([5, 6, 7, 8, 9], room=8)), d.state.num_tokens  # one, to begin with
+    (1, 4)
+    >>> d.feedback(1, 1); len(d.draft([5, 6, 7, 8, 9], room=8))    # all kept: k
+    3
 """
 
 from __future__ import annotations
@@ -46,9 +48,10 @@ def check_mtp(model: HylaLM) -> None:
 
 
 class MTPDrafter(BackOff):
-    """Drafts for one sequence from ``model.mtp``: up to ``k`` greedy tokens, stopping
-    before one whose probability under the head is below ``confidence`` (0: never), backing
-    off 1, 2 ... 64 plain steps after a verify that keeps none. Its MTP state grows with the
+    """Drafts for one sequence from ``model.mtp``: up to ``k`` greedy tokens under
+    :class:`BackOff`'s brakes (one to begin with, more while all are kept, a wait after a
+    verify that keeps none), stopping before one whose probability under the head is below
+    ``confidence`` (0: never). Its MTP state grows with the
     sequence; where the log lacks positions it has not seen (it keeps the last 4096 at
     least: a request that decoded in a batch for longer, or one whose prompt was prefilled
     elsewhere) it starts again from what the log holds. ``batches`` False: the engine
@@ -79,9 +82,9 @@ class MTPDrafter(BackOff):
 
     @torch.inference_mode()
     def draft(self, tokens: list[int], room: int) -> list[int]:
-        """Up to ``min(k, room)`` tokens after ``tokens`` (the sequence; the target has
+        """Up to ``k`` tokens (fewer under the brakes, at most ``room``) after ``tokens`` (the sequence; the target has
         computed all but the last)."""
-        most = min(self.k, room)
+        most = self.most(self.k, room)
         if most <= 0 or self.log is None or len(tokens) < 2:
             return []
         if self.waiting():
@@ -103,6 +106,8 @@ class MTPDrafter(BackOff):
                 break
             g = st.run([token], g[None])[-1]
         st.truncate(n - st.base)        # the drafts' rows: taken back
+        if not drafts:
+            self.unsure()
         return drafts
 
     def _catch_up(self, tokens: list[int]):

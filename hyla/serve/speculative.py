@@ -55,13 +55,21 @@ def ngram_drafts(tokens: list[int], k: int, *, max_n: int = 3, min_n: int = 1,
 
 
 class BackOff:
-    """What drafters share: how many drafts they made and how many were kept, and, after a
-    verify that keeps none, 1, 2, 4 ... 64 plain steps before drafting again (a draft that
-    is always wrong costs draft steps and wide verifies for nothing: an unrelated draft
-    model made a small model 6.6x slower without it)."""
+    """What drafters share: how many drafts they made and how many were kept, and two brakes
+    on drafts that fail (an unrelated draft model made a small model 6.6x slower without
+    them; a weak MTP head cost 13%):
+
+    - how many a step drafts (:meth:`most`) starts at one and grows to 3, then 7 (at most
+      ``k``) while every draft is kept; a step that keeps none goes back to one: a verify
+      of two tokens costs little more than a plain step, one of five (compiled: a width-8
+      batch) about 2.4 plain steps on SmolLM2, and each draft of a model or an MTP head
+      costs its own forward and ``lm_head``;
+    - after a step that keeps none, or one whose drafter was too unsure to draft, it
+      waits 1, 2, 4 ... 64 plain steps before drafting again."""
 
     drafted = accepted = 0
     _wait = _backoff = 0
+    limit = 1
 
     def waiting(self) -> bool:
         """Whether this step waits (one step of the wait counted off)."""
@@ -70,15 +78,28 @@ class BackOff:
             return True
         return False
 
+    def most(self, k: int, room: int) -> int:
+        """How many tokens this step may draft: ``k`` and ``room`` capped by the ramp."""
+        return min(k, self.limit, room)
+
     def feedback(self, accepted: int, drafted: int | None = None) -> None:
         """How many of the last ``drafted`` drafts the model kept."""
         self.accepted += accepted
         self.drafted += drafted or 0
         if accepted:
             self._backoff = 0
+            if accepted == drafted:
+                self.limit = 2 * self.limit + 1
         elif drafted:
-            self._backoff = min(2 * self._backoff or 1, 64)
-            self._wait = self._backoff
+            self.unsure()
+            self.limit = 1
+
+    def unsure(self) -> None:
+        """Wait before drafting again: after a verify that keeps none, or a step with no
+        draft sure enough to make (its draft forward and ``lm_head`` were paid for nothing:
+        a weak MTP head tried every step made SmolLM2 14% slower)."""
+        self._backoff = min(2 * self._backoff or 1, 64)
+        self._wait = self._backoff
 
 
 class NgramDrafter(BackOff):
@@ -86,11 +107,8 @@ class NgramDrafter(BackOff):
     stream, :func:`hyla.model.stream.stream_tokens`): :func:`ngram_drafts` of two tokens or
     more (one-token matches were mostly wrong on prose), up to ``k``.
 
-    What a step's drafts cost when they fail sets two brakes. How many it drafts starts at
-    one and grows to 3, then 7 (at most ``k``) while every draft is kept; a step that keeps
-    none goes back to one: a verify of two tokens costs little more than a plain step, one
-    of five (compiled: a width-8 batch) about 2.4 plain steps on SmolLM2. And after a step
-    that keeps none it waits 1, 2, 4 ... 64 steps before drafting again.
+    It drafts under :class:`BackOff`'s brakes: one token to begin with, more while all are
+    kept, a wait after a step that keeps none.
 
     Example:
         >>> d = NgramDrafter(3)
@@ -107,21 +125,13 @@ class NgramDrafter(BackOff):
     def __init__(self, k: int):
         if k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
-        self.k, self.limit = k, 1
-        self.min_n = 2
+        self.k, self.min_n = k, 2
 
     def draft(self, tokens: list[int], room: int) -> list[int]:
         if self.waiting():
             return []
-        n = min(self.k, self.limit, room)
+        n = self.most(self.k, room)
         return ngram_drafts(tokens, n, min_n=self.min_n) if n > 0 else []
-
-    def feedback(self, accepted: int, drafted: int | None = None) -> None:
-        super().feedback(accepted, drafted)
-        if accepted and accepted == drafted:
-            self.limit = 2 * self.limit + 1
-        if not accepted:
-            self.limit = 1
 
 
 class Speculator:

@@ -78,10 +78,17 @@ def test_the_draft_state_is_taken_back_exactly(layers):
 
 
 def test_unsure_drafts_are_not_drafted():
-    """At confidence 0.99 a random model (nearly uniform) drafts nothing; at 0 it drafts k."""
+    """At confidence 0.99 a random model (nearly uniform) drafts nothing; at 0 it drafts
+    what the ramp allows."""
     draft = _model("GGGA")
-    assert ModelDrafter(draft, 3, confidence=0.99).draft([1, 2, 3], room=8) == []
-    assert len(ModelDrafter(draft, 3).draft([1, 2, 3], room=8)) == 3
+    unsure = ModelDrafter(draft, 3, confidence=0.99)
+    assert unsure.draft([1, 2, 3], room=8) == []
+    assert unsure.waiting() and not unsure.waiting()    # then waits a step, as after a miss
+    assert unsure.draft([1, 2, 3], room=8) == [] and unsure._wait == 2
+    sure = ModelDrafter(draft, 3)
+    assert len(sure.draft([1, 2, 3], room=8)) == 1          # one, to begin with
+    sure.feedback(1, 1)                                     # all kept: then k
+    assert len(sure.draft([1, 2, 3], room=8)) == 3
     assert ModelDrafter(draft, 3).draft([1, 2, 3], room=0) == []
 
 

@@ -248,3 +248,17 @@ def test_generate_says_how_many_drafts_were_kept(tmp_path, capsys):
     assert main(["generate", "--preset", "debug", "--prompt", "abcabcabcabc",
                  "--max-tokens", "24", "--temperature", "0", "--speculative", "ngram"]) == 0
     assert re.search(r"ngram drafts: \d+ of \d+ kept", capsys.readouterr().err)
+
+
+def test_unsure_head_backs_off(trained):
+    """A head never sure enough drafts nothing, then waits 1, 2 ... steps (its forward and
+    lm_head each step would cost for nothing), and the ramp starts at one draft."""
+    state = RunnerState(trained)
+    unsure, plain = MTPDrafter(trained, 3, confidence=0.999), MTPDrafter(trained, 3)
+    for d in (unsure, plain):
+        d.attach(state.keep_hidden(), 0)
+    tokens = _prompts(1)[0]
+    state.prefill(tokens)
+    assert unsure.draft(tokens + [7], room=8) == []
+    assert unsure.waiting() and not unsure.waiting()
+    assert len(plain.draft(tokens + [7], room=8)) == 1
