@@ -24,6 +24,7 @@ class Block(nn.Module):
         self.mixer_norm = RMSNorm(cfg.d_model, eps=layer.norm_eps,
                                   zero_centred=cfg.norm_zero_centred)
         self.mixer = MIXERS[letter](layer, layer_idx)
+        self.fixed_state = bool(MIXERS[letter].state_spec(layer).fixed)
         ffn = FFNS[cfg.ffn_letter(layer_idx)]
         self.mlp_norm = RMSNorm(cfg.d_model, eps=layer.norm_eps,
                                 zero_centred=cfg.norm_zero_centred) if ffn.present else None
@@ -33,14 +34,20 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         s = self.scale
         if self.pre_norm:
-            x = x + self._scaled(self.mixer(self.mixer_norm(x), ctx), s)
+            x = x + self._scaled(self._mix(self.mixer_norm(x), ctx), s)
             if self.mlp_norm is None:       # no FFN half (ffn letter "N")
                 return x
             return x + self._scaled(self.mlp(self.mlp_norm(x)), s)
-        x = x + self._scaled(self.mixer_norm(self.mixer(x, ctx)), s)
+        x = x + self._scaled(self.mixer_norm(self._mix(x, ctx)), s)
         if self.mlp_norm is None:
             return x
         return x + self._scaled(self.mlp_norm(self.mlp(x)), s)
+
+    def _mix(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        if not (ctx.chain and self.fixed_state):
+            return self.mixer(x, ctx)
+        # rows that may continue one another (Context.chain): the state takes one at a time
+        return torch.cat([self.mixer(x[b:b + 1], ctx.row(b)) for b in range(x.shape[0])])
 
     @staticmethod
     def _scaled(y: torch.Tensor, s: float) -> torch.Tensor:

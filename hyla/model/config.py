@@ -148,12 +148,11 @@ class HylaConfig:
         if not isinstance(o, dict) or set(o) - {"like", "ffn", "per_layer_fusion"}:
             raise ValueError(f"mtp_options must be a dict of some of 'like', 'ffn', "
                              f"'per_layer_fusion', got {o!r}")
-        like = o.get("like")
+        like = o.get("like")       # (an attention block built from that layer's fields)
         if like is not None and (not isinstance(like, int) or isinstance(like, bool)
-                                 or not 0 <= like < self.n_layers
-                                 or self.layers[like] != "A"):
-            raise ValueError(f"mtp_options['like'] must index a softmax-attention layer "
-                             f"('A') of layers {self.layers!r}, got {like!r}")
+                                 or not 0 <= like < self.n_layers):
+            raise ValueError(f"mtp_options['like'] must index one of the {self.n_layers} "
+                             f"layers, got {like!r}")
         if "ffn" in o and o["ffn"] not in FFNS:
             raise ValueError(f"mtp_options['ffn'] must be one of {sorted(FFNS)}, "
                              f"got {o['ffn']!r}")

@@ -47,6 +47,10 @@ class Context:
     kv_spans: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] | None = None
     # what every layer of one forward would compute alike (rotary tables), by the layer's key
     memo: dict = field(default_factory=dict)
+    # decode: rows may be consecutive tokens of one sequence (a speculative verify's), so a
+    # layer with fixed-size state takes them one at a time (Block, with row(b)), as plain
+    # steps do, rather than as a chunk, whose arithmetic rounds otherwise
+    chain: bool = False
 
     # -- builders ------------------------------------------------------------------------
     @classmethod
@@ -95,7 +99,7 @@ class Context:
     def decode(cls, slots: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                buffers: list[dict[str, torch.Tensor]], *, block_size: int,
                slot_span: slice | None = None,
-               kv_spans: tuple | None = None) -> Context:
+               kv_spans: tuple | None = None, chain: bool = False) -> Context:
         """One token for each of B sequences: token b at ``positions[b]`` (the tokens its
         state already holds), state in row ``slots[b]``, blocks ``block_tables[b]`` [B, nb]
         (padded). Tensors only, so ``torch.compile`` traces it without graph breaks.
@@ -105,7 +109,18 @@ class Context:
         blocks = block_tables[rows, positions // block_size] if block_tables.shape[1] else None
         return cls("decode", positions, None, buffers, slots=slots, slot_span=slot_span,
                    block_tables=block_tables, block_size=block_size, token_blocks=blocks,
-                   token_offsets=positions % block_size, kv_spans=kv_spans)
+                   token_offsets=positions % block_size, kv_spans=kv_spans, chain=chain)
+
+    def row(self, b: int) -> Context:
+        """Decode: row ``b`` alone (its slot's fixed rows updated in place)."""
+        slot = int(self.slots[b])
+        return Context("decode", self.positions[b:b + 1], None, self.buffers,
+                       slots=self.slots[b:b + 1], slot_span=slice(slot, slot + 1),
+                       block_tables=self.block_tables[b:b + 1], block_size=self.block_size,
+                       token_blocks=None if self.token_blocks is None
+                       else self.token_blocks[b:b + 1],
+                       token_offsets=self.token_offsets[b:b + 1],
+                       kv_spans=None if self.kv_spans is None else self.kv_spans[b:b + 1])
 
     # -- state access for mixers -----------------------------------------------------------
     def load_fixed(self, buf: torch.Tensor) -> torch.Tensor:

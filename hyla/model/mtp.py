@@ -134,12 +134,12 @@ class MTPState:
                 grown[0][name][:, :S] = t[:, :S]
             self.buffers = grown
         if self.window is None:
-            return self._run(next_ids, hidden, self.buffers)
+            return self._extend(next_ids, hidden, self.buffers)
         W = self.window          # chunks of at most W rows: each one's rows all reach the ring
         return torch.cat([self._run_ring(next_ids[c:c + W], hidden[c:c + W])
                           for c in range(0, T, W)])
 
-    def _run(self, next_ids: list[int], hidden: torch.Tensor, buffers) -> torch.Tensor:
+    def _extend(self, next_ids: list[int], hidden: torch.Tensor, buffers) -> torch.Tensor:
         model, S, T = self.model, self.num_tokens, len(next_ids)
         p = model.anchor
         ids = torch.tensor(next_ids, device=p.device)
@@ -159,7 +159,7 @@ class MTPState:
         for name, t in buf.items():
             ring[name] = t.new_zeros(1, W, *t.shape[2:])
             ring[name][0, held % W] = t[0, held]
-        g = self._run(next_ids, hidden, [ring])
+        g = self._extend(next_ids, hidden, [ring])
         new = torch.arange(S, S + T)
         for name, t in buf.items():
             t[0, new] = ring[name][0, new % W]

@@ -145,8 +145,9 @@ class ModelDrafter(BackOff):
 
     @torch.inference_mode()
     def draft(self, tokens: list[int], room: int) -> list[int]:
-        """Up to ``k`` tokens (fewer under the brakes, at most ``room``) the draft model expects after ``tokens`` (the whole
-        sequence so far, its last token not yet verified)."""
+        """Up to ``k`` tokens (fewer under the brakes, at most ``room``) the draft model
+        expects after ``tokens`` (the whole sequence so far, its last token not yet
+        verified)."""
         n = self.most(self.k, room)
         if n <= 0 or not tokens:
             return []

@@ -82,8 +82,8 @@ class MTPDrafter(BackOff):
 
     @torch.inference_mode()
     def draft(self, tokens: list[int], room: int) -> list[int]:
-        """Up to ``k`` tokens (fewer under the brakes, at most ``room``) after ``tokens`` (the sequence; the target has
-        computed all but the last)."""
+        """Up to ``k`` tokens (fewer under the brakes, at most ``room``) after ``tokens``
+        (the sequence; the target has computed all but the last)."""
         most = self.most(self.k, room)
         if most <= 0 or self.log is None or len(tokens) < 2:
             return []

@@ -255,11 +255,13 @@ class Runner:
         as_batch = None             # (width, through its graph) of a decode batch
         if width is not None and self.verifies_as_batch and self.verify_graph_built(width):
             as_batch = (width, True)
-        elif not self.fixed_shapes and not self.has_fixed:
-            # eager, every state growing per token: the rows as an eager decode batch, so
-            # each takes a plain step's attention and products (a prefill chunk's attention
-            # rounds otherwise; through bf16 activations that parted a greedy SmolLM2 int4
-            # answer from plain decoding's at token 45 in hyla generate)
+        elif not self.fixed_shapes and (not self.has_fixed or self.quantised):
+            # eager: the rows as a decode batch, so each takes a plain step's attention and
+            # products (a prefill chunk's rounds otherwise; through bf16 activations that
+            # parted a greedy SmolLM2 int4 answer from plain decoding's at token 45 in hyla
+            # generate), fixed-size states a row at a time (Context.chain: the chunk form
+            # parted an int4 Qwen3.5-like answer at a near-tie). Float models with fixed
+            # states keep the chunk: their projections would run row by row
             as_batch = (n, False)
         if as_batch is not None:
             return self._decode([slot] * n, tokens, list(range(start, start + n)),
@@ -500,12 +502,13 @@ class Runner:
             spans = None
             if self.kv_in_place and nb and B <= SPAN_MAX_BATCH:
                 spans = kv_spans(block_tables, positions, self.block_size)
+            chain = len(set(slots)) < B     # one sequence's consecutive rows (a verify)
             if one_row:
                 from hyla.model.quantize import one_row_products
 
                 with one_row_products():
-                    return self._decode_impl(*args, span=span, kv_spans=spans)
-            return self._decode_impl(*args, span=span, kv_spans=spans)
+                    return self._decode_impl(*args, span=span, kv_spans=spans, chain=chain)
+            return self._decode_impl(*args, span=span, kv_spans=spans, chain=chain)
         from torch._dynamo.utils import counters
 
         before = counters["stats"]["unique_graphs"]
@@ -573,11 +576,11 @@ class Runner:
         return self.num_compilations - before
 
     def _decode_impl(self, tokens, slots, positions, tables, span: slice | None = None,
-                     kv_spans: tuple | None = None, graph_key: int = 0):
+                     kv_spans: tuple | None = None, graph_key: int = 0, chain: bool = False):
         if graph_key < 0:       # read, so that torch.compile guards on it (see __init__)
             raise ValueError(f"graph_key must be >= 0, got {graph_key}")
-        ctx = Context.decode(slots, positions, tables, self.buffers,
-                             block_size=self.block_size, slot_span=span, kv_spans=kv_spans)
+        ctx = Context.decode(slots, positions, tables, self.buffers, block_size=self.block_size,
+                             slot_span=span, kv_spans=kv_spans, chain=chain)
         if self.hidden_log is None:
             return self.model(tokens[:, None], ctx)[:, 0].float()
         h = self.model(tokens[:, None], ctx, hidden=True)[:, 0]

@@ -31,12 +31,12 @@ def test_debug_layout():
     ({"chunk_size": 48}, "chunk_size"),
     ({"gate_logit_normalizer": 0.0}, "gate_logit_normalizer"),
     ({"mtp_options": {"layer": 3}}, "mtp_options must be"),
-    ({"mtp_options": {"like": 0}}, r"mtp_options\['like'\]"),          # a GLA layer
+    ({"mtp_options": {"like": -1}}, r"mtp_options\['like'\]"),
     ({"mtp_options": {"like": 9}}, r"mtp_options\['like'\]"),
     ({"mtp_options": {"ffn": "Q"}}, r"mtp_options\['ffn'\]"),
     ({"mtp_options": {"per_layer_fusion": "yes"}}, "per_layer_fusion"),
 ], ids=["letter", "empty", "heads", "kv-heads", "vocab", "chunk", "normalizer", "mtp-key",
-        "mtp-like-kind", "mtp-like-range", "mtp-ffn", "mtp-fusion"])
+        "mtp-like-negative", "mtp-like-range", "mtp-ffn", "mtp-fusion"])
 def test_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         dataclasses.replace(preset("debug"), **kwargs)

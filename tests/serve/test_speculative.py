@@ -388,19 +388,27 @@ def test_sampled_requests_speculate_and_repeat_with_a_seed(monkeypatch):
     assert eng.stats["draft_tokens"] > 0 and eng.scheduler.pool.num_used == 0
 
 
-@pytest.mark.parametrize("scheme", ["int4", "int8"])
-def test_an_eager_verify_leaves_the_state_plain_steps_leave(scheme):
-    """Eager, a quantised model whose states all grow per token verifies its drafts as a
-    decode batch of the one sequence, each row in a plain step's attention and one row's
-    products: the keys and values it leaves are bitwise those of plain greedy steps (a
-    prefill chunk's attention rounded otherwise, and through bf16 activations a greedy
-    SmolLM2 int4 answer parted). (Float32 matmuls of several rows round otherwise than one
-    row's, ~1e-5 here: not bitwise.)"""
+@pytest.mark.parametrize("layers, scheme", [
+    ("AA", "int4"), ("AA", "int8"), ("GA", "int4"), ("DA", "int4-a8"), ("SC", "int8"),
+    ("KA", "int4"), ("AA-window", "int4")])
+def test_an_eager_verify_leaves_the_state_plain_steps_leave(layers, scheme):
+    """Eager, a quantised model verifies its drafts as a decode batch of the one sequence,
+    each row in a plain step's attention and one row's products, and a fixed-size state
+    (GLA, gated delta, KDA, Mamba-2, a conv window, a window layer's ring) stepping through
+    the rows one at a time: the state it leaves (rejected drafts rolled back and the kept
+    ones run again) is bitwise what plain greedy steps leave (a prefill chunk's attention
+    and the delta rule's chunk form round otherwise: through bf16 activations a greedy
+    SmolLM2 int4 answer parted, and an int4 Qwen3.5-like one at a near-tie). (Float32
+    matmuls of several rows round otherwise than one row's, ~1e-5 here: not bitwise.)"""
     from hyla.model.quantize import quantize_model
     from hyla.model.stream import stream_tokens
     from hyla.serve.session import RunnerState
 
-    model = _model("AA")
+    window = layers.endswith("-window")
+    torch.manual_seed(0)
+    model = HylaLM(dataclasses.replace(
+        preset("debug"), layers=layers[:2],
+        layer_overrides=[{}, {"sliding_window": 8}] if window else None)).eval()
     quantize_model(model, scheme)
     prompt = _repetitive()
     states = [RunnerState(model), RunnerState(model)]
@@ -410,7 +418,11 @@ def test_an_eager_verify_leaves_the_state_plain_steps_leave(scheme):
     spec = list(stream_tokens(model, states[1], prompt, 30, temperature=0, drafter=oracle))
     assert plain == spec and 0 < oracle.accepted < oracle.drafted
     n = states[0].num_tokens
-    for a, b in zip(states[0].runner.buffers, states[1].runner.buffers, strict=True):
-        for name in a:
-            rows = [t.reshape(-1, *t.shape[2:])[:n] for t in (a[name], b[name])]
-            assert torch.equal(*rows), name
+    runner = states[0].runner
+    for spec_, a, b in zip(runner.specs, runner.buffers, states[1].runner.buffers,
+                           strict=True):
+        for e in spec_.fixed:
+            assert torch.equal(a[e.name][0], b[e.name][0]), e.name
+        for e in spec_.per_token:
+            rows = [t[e.name].reshape(-1, *t[e.name].shape[2:])[:n] for t in (a, b)]
+            assert torch.equal(*rows), e.name
