@@ -131,7 +131,8 @@ def _edit_config(path, **changes):
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type 'longrope'"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "missing.*'factor'"),
-    ({"head_dim": 32}, "q_proj.weight has shape"),
+    ({"head_dim": 32},
+     r"model.layers.0.self_attn.q_proj.weight \(hyla's blocks.0.mixer.q_proj.weight\) has"),
     ({"vocab_size": 200}, "has shape"),
 ], ids=["arch", "act", "rope", "rope-params", "head_dim", "vocab"])
 def test_bad_config(tmp_path, bpe, changes, match):

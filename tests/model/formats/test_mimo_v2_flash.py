@@ -7,6 +7,7 @@ norm, bias, sink and router bias randomised. Sequences are longer than the windo
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -255,3 +256,17 @@ def test_missing_fields_read_as_transformers_reads_them(saved):
     assert cfg.ffn_layers == "".join("E" if m == "sparse" else "S"
                                      for m in theirs.mlp_layer_types)
     assert cfg.mixer_options["attention"]["value_scale"] == theirs.attention_value_scale
+
+
+@pytest.mark.parametrize("name", ["model.mtp.layers.0.eh_proj.weight",
+                                  "model.layers.1.self_attn.q_proj.weight"])
+def test_a_wrong_shape_is_named_as_the_file_names_it(saved, tmp_path, name):
+    from safetensors.torch import load_file, save_file
+
+    ref, path = saved
+    dest = with_mtp(path, tmp_path / "shape", mtp_parts(ref, n=1))
+    w = load_file(dest / "model.safetensors")
+    w[name] = w[name][:-1].contiguous()
+    save_file(w, dest / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"tensor {re.escape(name)} \(hyla's .*\) has shape"):
+        load_model(dest)

@@ -54,24 +54,35 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
         weights, where = read_safetensors(root, dtype), str(root / "model.safetensors")
         if family.fold is not None:
             weights = family.fold(weights, hf, where)
+        origin = _origin(weights)
         state = family.to_state(weights, cfg, where)
         # the MTP layers the file holds (transformers writes none: it leaves mtp.* out)
         mtp = len({k.split(".")[2] for k in state if k.startswith("mtp.layers.")})
         cfg = dataclasses.replace(cfg, mtp_layers=mtp)
     else:
         cfg = hf_config_to_hyla(hf, source)
-        state = hf_state_to_hyla(read_safetensors(root, dtype), cfg,
-                                 str(root / "model.safetensors"))
-    return hyla_model_from(cfg, state, str(root), source, dtype=dtype, device=device), \
+        weights = read_safetensors(root, dtype)
+        origin = _origin(weights)
+        state = hf_state_to_hyla(weights, cfg, str(root / "model.safetensors"))
+    file_names = {k: origin[id(t)] for k, t in state.items() if id(t) in origin}
+    return hyla_model_from(cfg, state, str(root), source, dtype=dtype, device=device,
+                           file_names=file_names), \
         load_hf_tokenizer(root, cfg.vocab_size, required=False)
 
 
+def _origin(weights: dict[str, torch.Tensor]) -> dict[int, str]:
+    """Each tensor's name in the file, by identity: a converter that renames a tensor
+    without changing it hands on the same object, so errors can name the file's name."""
+    return {id(t): name for name, t in weights.items()}
+
+
 def hyla_model_from(cfg: HylaConfig, state: dict[str, torch.Tensor], where: str, source: str,
-                    *, dtype: torch.dtype, device, assign: bool = False) -> HylaLM:
+                    *, dtype: torch.dtype, device, assign: bool = False,
+                    file_names: dict[str, str] | None = None) -> HylaLM:
     """A HylaLM of ``cfg`` (eval mode) holding ``state`` (hyla names), every shape checked
     against the config on the meta device before any memory is allocated. ``assign``: the
     model takes ``state``'s own tensors (contiguous, ``dtype``, on ``device``, used nowhere
-    else) rather than copies of them."""
+    else) rather than copies of them. ``file_names``: hyla name -> the file's, for errors."""
     from hyla.model.formats.skeleton import meta_model, to_empty
 
     model = meta_model(cfg)     # no init on meta: it would import torch._dynamo (seconds)
@@ -83,7 +94,9 @@ def hyla_model_from(cfg: HylaConfig, state: dict[str, torch.Tensor], where: str,
     for key, tensor in state.items():
         param = want[key]
         if param.shape != tensor.shape:
-            raise ValueError(f"{where}: tensor for {key} has shape {tuple(tensor.shape)}, "
+            theirs = (file_names or {}).get(key)
+            name = f"{theirs} (hyla's {key})" if theirs and theirs != key else key
+            raise ValueError(f"{where}: tensor {name} has shape {tuple(tensor.shape)}, "
                              f"{source} implies {tuple(param.shape)}")
     model = to_empty(model, device).to(dtype)
     if cfg.tie_embeddings:
