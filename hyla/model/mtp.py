@@ -154,13 +154,14 @@ class MTPState:
         rows of the window before them, then gives their rows back to the buffer."""
         S, T, W = self.num_tokens, len(next_ids), self.window
         buf = self.buffers[0]
-        held = torch.arange(max(0, S - W), S)
+        dev = next(iter(buf.values())).device
+        held = torch.arange(max(0, S - W), S, device=dev)
         ring = {}
         for name, t in buf.items():
             ring[name] = t.new_zeros(1, W, *t.shape[2:])
             ring[name][0, held % W] = t[0, held]
         g = self._extend(next_ids, hidden, [ring])
-        new = torch.arange(S, S + T)
+        new = torch.arange(S, S + T, device=dev)
         for name, t in buf.items():
             t[0, new] = ring[name][0, new % W]
         return g

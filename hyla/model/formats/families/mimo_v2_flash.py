@@ -34,7 +34,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 from hyla.model.config import HylaConfig
 from hyla.model.formats.families.base import (
@@ -52,7 +51,6 @@ from hyla.model.formats.families.base import (
 )
 from hyla.model.mixers.attention import AttentionMixer
 
-log = logging.getLogger(__name__)
 KIND = "mimo_v2_flash"
 TYPES = ("full_attention", "sliding_attention")
 NAMES = MoENames()
