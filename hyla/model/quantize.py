@@ -83,6 +83,12 @@ INT8_KERNEL_K = 16
 _ONE_ROW = [False]
 
 
+def one_row_active() -> bool:
+    """Whether :class:`one_row_products` is on (layers other than the quantised ones that
+    batch rows, an MoE's experts, then take them one at a time too)."""
+    return _ONE_ROW[0]
+
+
 class one_row_products:
     """Within it, every row of a quantised layer's input is computed as one row alone would
     be (torch's int4 kernel in bf16, or fbgemm's 16-bit products where one row takes them:

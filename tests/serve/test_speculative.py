@@ -390,12 +390,12 @@ def test_sampled_requests_speculate_and_repeat_with_a_seed(monkeypatch):
 
 @pytest.mark.parametrize("layers, scheme", [
     ("AA", "int4"), ("AA", "int8"), ("GA", "int4"), ("DA", "int4-a8"), ("SC", "int8"),
-    ("KA", "int4"), ("AA-window", "int4")])
+    ("KA", "int4"), ("AA-window", "int4"), ("GA-moe", "int8")])
 def test_an_eager_verify_leaves_the_state_plain_steps_leave(layers, scheme):
     """Eager, a quantised model verifies its drafts as a decode batch of the one sequence,
     each row in a plain step's attention and one row's products, and a fixed-size state
     (GLA, gated delta, KDA, Mamba-2, a conv window, a window layer's ring) stepping through
-    the rows one at a time: the state it leaves (rejected drafts rolled back and the kept
+    the rows one at a time, an MoE's experts too: the state it leaves (rejected drafts rolled back and the kept
     ones run again) is bitwise what plain greedy steps leave (a prefill chunk's attention
     and the delta rule's chunk form round otherwise: through bf16 activations a greedy
     SmolLM2 int4 answer parted, and an int4 Qwen3.5-like one at a near-tie). (Float32
@@ -404,11 +404,15 @@ def test_an_eager_verify_leaves_the_state_plain_steps_leave(layers, scheme):
     from hyla.model.stream import stream_tokens
     from hyla.serve.session import RunnerState
 
-    window = layers.endswith("-window")
+    window, moe = layers.endswith("-window"), layers.endswith("-moe")
     torch.manual_seed(0)
     model = HylaLM(dataclasses.replace(
         preset("debug"), layers=layers[:2],
-        layer_overrides=[{}, {"sliding_window": 8}] if window else None)).eval()
+        layer_overrides=[{}, {"sliding_window": 8}] if window else None,
+        ffn_layers="EE" if moe else None,       # MiMo's router: its experts stay float
+        ffn_options={"moe": {"num_experts": 8, "top_k": 3, "expert_dim": 32,
+                             "router": "sigmoid", "score_bias": True, "n_group": 4,
+                             "topk_group": 2}} if moe else {})).eval()
     quantize_model(model, scheme)
     prompt = _repetitive()
     states = [RunnerState(model), RunnerState(model)]

@@ -160,6 +160,16 @@ class MoEFFN(FFN):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         h = x.reshape(-1, shape[-1])
+        if h.shape[0] > 1 and not self.training:
+            from hyla.model.quantize import one_row_active
+
+            if one_row_active():    # a verify's rows, each as a plain step computes it alone
+                return torch.cat([self._tokens(h[i:i + 1]) for i in range(h.shape[0])]
+                                 ).view(shape)   # (rows grouped by expert round otherwise)
+        return self._tokens(h).view(shape)
+
+    def _tokens(self, h: torch.Tensor) -> torch.Tensor:
+        """h [N, d] -> [N, d]."""
         weights, ids = self.route(h)
         if self.record_routes:
             self.last_routes = ids.detach()
@@ -175,7 +185,7 @@ class MoEFFN(FFN):
             if self.opts.shared_gate:
                 shared = torch.sigmoid(self.shared_gate(h)) * shared
             out = out + shared
-        return out.view(shape)
+        return out
 
     def combine_experts(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
         """h [N, d], ids and weights [N, k] -> [N, d]: the sum over each token's k experts of
