@@ -180,7 +180,8 @@ def add_speculative(p: argparse.ArgumentParser, applies: str) -> None:
                    metavar="{ngram,mtp,draft:SOURCE}",
                    help=f"speculative decoding ({applies}): ngram drafts tokens by looking "
                         f"the last few up earlier in the text; mtp drafts with the model's own "
-                        f"multi-token-prediction layers (Qwen3-Next's, Qwen3.5's); "
+                        f"multi-token-prediction layers (Qwen3-Next's, Qwen3.5's, "
+                        f"MiMo-V2-Flash's); "
                         f"draft:SOURCE has a smaller (or "
                         f"quantised) model sharing the tokenizer draft them. The drafts are "
                         f"verified in one forward: the output stays the model's own")

@@ -184,20 +184,22 @@ def cmd_export(args: argparse.Namespace, out: Console) -> int:
         out.print(f"[yellow]note[/]: the model's multi-token-prediction head "
                   f"({model.cfg.mtp_layers} layer(s), --speculative mtp) has no place in "
                   f"{args.format}'s format and is left out (hyla's own checkpoint, and "
-                  f"Qwen3-Next's and Qwen3.5's transformers format, keep it)")
+                  f"Qwen3-Next's, Qwen3.5's and MiMo-V2-Flash's transformers formats, keep "
+                  f"it)")
     out.print(f"wrote {target} ({args.format}, {n:,} parameters)")
     return 0
 
 
 def _holds_mtp(target) -> bool:
-    """Whether an export's safetensors files hold any ``mtp.*`` tensor."""
+    """Whether an export's safetensors files hold any MTP tensor (``mtp.*``, MiMo's
+    ``model.mtp.*``)."""
     import pathlib
 
     from safetensors import safe_open
 
     for f in pathlib.Path(target).glob("*.safetensors"):
         with safe_open(str(f), framework="pt") as st:
-            if any(k.startswith("mtp.") for k in st.keys()):  # noqa: SIM118
+            if any(k.startswith(("mtp.", "model.mtp.")) for k in st.keys()):  # noqa: SIM118
                 return True
     return False
 

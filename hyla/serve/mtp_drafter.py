@@ -41,8 +41,9 @@ def check_mtp(model: HylaLM) -> None:
     """ValueError unless ``model`` has MTP layers to draft with."""
     if getattr(model, "mtp", None) is None:
         raise ValueError("--speculative mtp: this model has no multi-token-prediction layers "
-                         "(a checkpoint that ships them has: Qwen3-Next's and Qwen3.5's mtp.* "
-                         "tensors, which transformers' save_pretrained leaves out; "
+                         "(a checkpoint that ships them has: Qwen3-Next's and Qwen3.5's mtp.*, "
+                         "MiMo-V2-Flash's model.mtp.* tensors, which transformers' "
+                         "save_pretrained leaves out; "
                          "hyla.train.mtp_head trains one for any model); use --speculative "
                          "ngram or draft:SOURCE")
 

@@ -395,11 +395,12 @@ def test_an_eager_verify_leaves_the_state_plain_steps_leave(layers, scheme):
     """Eager, a quantised model verifies its drafts as a decode batch of the one sequence,
     each row in a plain step's attention and one row's products, and a fixed-size state
     (GLA, gated delta, KDA, Mamba-2, a conv window, a window layer's ring) stepping through
-    the rows one at a time, an MoE's experts too: the state it leaves (rejected drafts rolled back and the kept
-    ones run again) is bitwise what plain greedy steps leave (a prefill chunk's attention
-    and the delta rule's chunk form round otherwise: through bf16 activations a greedy
-    SmolLM2 int4 answer parted, and an int4 Qwen3.5-like one at a near-tie). (Float32
-    matmuls of several rows round otherwise than one row's, ~1e-5 here: not bitwise.)"""
+    the rows one at a time, an MoE's experts too: the state it leaves (rejected drafts
+    rolled back and the kept ones run again) is bitwise what plain greedy steps leave (a
+    prefill chunk's attention and the delta rule's chunk form round otherwise: through bf16
+    activations a greedy SmolLM2 int4 answer parted, and an int4 Qwen3.5-like one at a
+    near-tie; an MoE's experts over grouped rows left a quantised MiMo other KV rows).
+    (Float32 matmuls of several rows round otherwise than one row's, ~1e-5: not bitwise.)"""
     from hyla.model.quantize import quantize_model
     from hyla.model.stream import stream_tokens
     from hyla.serve.session import RunnerState

@@ -200,15 +200,21 @@ def test_mtp_layers_match_transformers_modules(saved, tmp_path, block_norm):
     assert rel(second, want[1]) <= 1e-4
 
 
-def test_mtp_layers_export_back_and_draft(saved, tmp_path):
+def test_mtp_layers_export_back_and_draft(saved, tmp_path, capsys):
     import dataclasses
 
     from safetensors.torch import load_file
 
+    from hyla.cli.main import main
     from hyla.model.formats.families.mimo_v2_flash import FAMILY
 
     ref, path = saved
-    model, tok = load_model(with_mtp(path, tmp_path / "mtp", mtp_parts(ref)))
+    src = with_mtp(path, tmp_path / "mtp", mtp_parts(ref))
+    model, tok = load_model(src)
+    # the CLI's export keeps them, says nothing of leaving them out, and counts them
+    assert main(["export", str(src), str(tmp_path / "cli")]) == 0
+    said = capsys.readouterr().out
+    assert "left out" not in said and f"{model.num_parameters():,} parameters" in said
     ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(1))
     out = tmp_path / "out"       # transformers still reads it (leaving model.mtp.* out)
     check_export(model, tok, out, transformers, ref, ids)
@@ -270,3 +276,34 @@ def test_a_wrong_shape_is_named_as_the_file_names_it(saved, tmp_path, name):
     save_file(w, dest / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"tensor {re.escape(name)} \(hyla's .*\) has shape"):
         load_model(dest)
+
+
+def test_two_names_for_one_tensor_refused(saved, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    ref, path = saved
+    dest = with_mtp(path, tmp_path / "both", mtp_parts(ref, n=1))
+    w = load_file(dest / "model.safetensors")
+    w["model.mtp.layers.0.post_attention_layernorm.weight"] = \
+        w["model.mtp.layers.0.pre_mlp_layernorm.weight"] + 1
+    save_file(w, dest / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="both .*post_attention_layernorm.* and .*"
+                                         "pre_mlp_layernorm"):
+        load_model(dest)
+
+
+@pytest.mark.parametrize("claimed", [3, "two"])
+def test_the_config_mtp_count_is_checked_against_the_tensors(saved, tmp_path, caplog,
+                                                             claimed):
+    ref, path = saved
+    dest = with_mtp(path, tmp_path / "count", mtp_parts(ref, n=2))
+    cfg = json.loads((dest / "config.json").read_text()) | {"num_nextn_predict_layers": claimed}
+    (dest / "config.json").write_text(json.dumps(cfg))
+    if isinstance(claimed, str):
+        with pytest.raises(ValueError, match="num_nextn_predict_layers='two' must be an int"):
+            load_model(dest)
+        return
+    with caplog.at_level("WARNING"):
+        model, _ = load_model(dest)
+    assert model.cfg.mtp_layers == 2
+    assert "num_nextn_predict_layers=3, but 2 multi-token-prediction layer(s)" in caplog.text

@@ -199,6 +199,14 @@ _MTP_OWN = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm",
 _MTP_OPTIONS = {"ffn": "S", "per_layer_fusion": True}
 
 
+def _rename(weights: dict, old: str, new: str, source: str) -> None:
+    """``weights[old]`` under the name ``new`` (two names for one tensor, both in the file:
+    refused, rather than one silently chosen)."""
+    if new in weights:
+        raise ValueError(f"{source}: holds both {old} and {new}, two names for one tensor")
+    weights[new] = weights.pop(old)
+
+
 def _mtp_names(cfg: HylaConfig) -> dict[str, str]:
     """hyla name -> file name of every MTP tensor (``cfg.mtp_layers`` of them)."""
     from hyla.model.mtp import mtp_config
@@ -219,7 +227,7 @@ def _mtp_to_hyla(weights: dict, cfg: HylaConfig, source: str) -> dict:
     n = len({k.split(".")[3] for k in weights if k.startswith("model.mtp.layers.")})
     for k in [k for k in weights if k.startswith("model.mtp.layers.")
               and ".post_attention_layernorm." in k]:     # the name some conversions write
-        weights[k.replace("post_attention_layernorm", "pre_mlp_layernorm")] = weights.pop(k)
+        _rename(weights, k, k.replace("post_attention_layernorm", "pre_mlp_layernorm"), source)
     names = _mtp_names(dataclasses.replace(cfg, mtp_layers=n)) if n else {}
     return {ours: take(weights, theirs, source) for ours, theirs in names.items()}
 
@@ -227,7 +235,7 @@ def _mtp_to_hyla(weights: dict, cfg: HylaConfig, source: str) -> dict:
 def to_state(weights: dict, cfg: HylaConfig, source: str) -> dict:
     weights = dict(weights)
     for k in [k for k in weights if k.endswith(".self_attn.sinks")]:   # in-memory name
-        weights[k.replace(".sinks", ".attention_sink_bias")] = weights.pop(k)
+        _rename(weights, k, k.replace(".sinks", ".attention_sink_bias"), source)
     out = head_to_hyla(weights, cfg, source)
     for i in range(cfg.n_layers):
         for ours, theirs in _layer_names(cfg, i).items():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import pathlib
 
@@ -18,6 +19,8 @@ from hyla.model.formats.hf.config import HF_EXTRAS, hf_config_to_hyla
 from hyla.model.formats.hf.tokenizer import load_hf_tokenizer
 from hyla.model.formats.hf.weights import hf_state_to_hyla, read_safetensors
 from hyla.model.model import HylaLM
+
+log = logging.getLogger(__name__)
 
 
 def load_hf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
@@ -58,6 +61,7 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
         state = family.to_state(weights, cfg, where)
         # the MTP layers the file holds (transformers writes none: it leaves mtp.* out)
         mtp = len({k.split(".")[2] for k in state if k.startswith("mtp.layers.")})
+        _check_mtp_count(hf, mtp, source)
         cfg = dataclasses.replace(cfg, mtp_layers=mtp)
     else:
         cfg = hf_config_to_hyla(hf, source)
@@ -68,6 +72,26 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     return hyla_model_from(cfg, state, str(root), source, dtype=dtype, device=device,
                            file_names=file_names), \
         load_hf_tokenizer(root, cfg.vocab_size, required=False)
+
+
+_MTP_COUNT_FIELDS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
+
+
+def _check_mtp_count(hf: dict, loaded: int, source: str) -> None:
+    """The MTP layer count config.json names (where it names one) is an int >= 0, and a
+    count other than the tensors' is said: the tensors decide, as vLLM's loader's do."""
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    for key in _MTP_COUNT_FIELDS:
+        n = text.get(key, hf.get(key))
+        if n is None:
+            continue
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"{source}: {key}={n!r} must be an int >= 0")
+        if n != loaded:
+            log.warning("%s: %s=%d, but %d multi-token-prediction layer(s) loaded from the "
+                        "tensors%s", source, key, n, loaded,
+                        " (transformers' save_pretrained leaves them out; --speculative mtp "
+                        "will not run)" if not loaded else "")
 
 
 def _origin(weights: dict[str, torch.Tensor]) -> dict[int, str]:
