@@ -17,7 +17,7 @@ symbolic in those graphs (attention reads the paged cache in place,
 
 from __future__ import annotations
 
-import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -25,9 +25,10 @@ import torch
 
 from hyla.model import Context, HylaLM, SequenceState
 from hyla.ops.paged_attention import FUSED_MAX_ROWS, SPAN_MAX_BATCH, kv_spans
+from hyla.serve.compiled_decode import compile_decode
 from hyla.serve.lazy_zeros import lazy_zeros
 
-_RUNNER_KEYS = itertools.count()       # what tells compiled runners' graphs apart
+log = logging.getLogger(__name__)
 
 
 def _pow2(n: int) -> int:
@@ -103,6 +104,7 @@ class Runner:
         self._sum_weights: dict = {}
         self.compiled = compile
         self._compiled_fn = None
+        self.skip_module_guards = True      # (False: torch's guard filter failed on the model)
         self._decode_fn = self._compiled_decode if compile else self._decode_impl
         self.eager_until_built = eager_until_built
         self.built_widths: set[int] = set()     # widths warmup has compiled (or captured)
@@ -126,36 +128,11 @@ class Runner:
             self.graphs = DecodeGraphs(self._decode_fn, capture=capture)
 
     def _compiled_decode(self, *args, one_row: bool = False):
-        """:meth:`_decode_impl` through ``torch.compile``, set up on first use: importing
-        the compiler takes 2-3 s, which a server building its graphs in the background
-        spends after it is healthy, not before."""
+        """:meth:`_decode_impl` through ``torch.compile`` (:mod:`~hyla.serve.compiled_decode`),
+        set up on first use."""
         if self._compiled_fn is None:
-            from torch import _dynamo
-
-            if getattr(self.model, "quantized", None):
-                # The quantised layers' copies made now, not first made inside a trace:
-                # a graph would name an fbgemm weight that the trace made and dropped
-                # (found: KeyError in vnni_int8_linear with two compiled engines).
-                from hyla.model.quantize import prepare_copies
-
-                prepare_copies(self.model)
-
-            # Each decode shape is its own graph; the default limit (8) would fall back to
-            # eager silently once more shapes were seen.
-            _dynamo.config.recompile_limit = 1024
-            _dynamo.config.accumulated_recompile_limit = 4096
-            # The model is frozen while it serves: guarding every module attribute on each
-            # call cost 1.4 ms of a 15 ms SmolLM2 step; the shapes stay guarded. Without
-            # those guards, graphs built for another runner's model would match this one's
-            # calls, so each runner's calls carry a number of its own (an int argument is
-            # guarded by value).
-            compiled = torch.compile(
-                self._decode_impl, dynamic=False,
-                options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-            # a verify in one-row products (one_row_products) is its own graph
-            key = 2 * next(_RUNNER_KEYS)
-            self._compiled_fn = lambda *a, one_row=False: compiled(
-                *a, graph_key=key + one_row)
+            self._compiled_fn = compile_decode(self._decode_impl, self.model,
+                                               skip_module_guards=self.skip_module_guards)
         return self._compiled_fn(*args, one_row=one_row)
 
     @property
@@ -316,6 +293,20 @@ class Runner:
             return self.runs_graph(width)
         return self.compiled and (not self.eager_until_built
                                   or width in self.built_verify_widths)
+
+    def _warm(self, *args) -> None:
+        """A warm-up step (the padding slot's state only): where torch's module-guard filter
+        fails on the model, the graphs are built again with every guard."""
+        try:
+            self._decode(*args)
+        except KeyError as e:
+            if not (self.compiled and self.skip_module_guards):
+                raise
+            log.warning("torch.compile with module guards skipped failed on this model "
+                        "(KeyError %s): building the decode graphs with every guard", e)
+            self.skip_module_guards, self._compiled_fn = False, None
+            torch._dynamo.reset()       # the failing entries are cached by code object
+            self._decode(*args)
 
     def extract(self, slot: int, num_tokens: int, block_table: list[int]) -> SequenceState:
         """A standalone SequenceState (copies) of what a slot and its blocks hold."""
@@ -563,7 +554,7 @@ class Runner:
                 nbs.append(nbs[-1] * 2)
         for w in widths:
             for nb in nbs:
-                self._decode([self.pad_slot], [0], [0], [[self.pad_block] * nb], w, True)
+                self._warm([self.pad_slot], [0], [0], [[self.pad_block] * nb], w, True)
             # once more, built: what a step of this width costs (speculation weighs it)
             self._decode([self.pad_slot], [0], [0], [[self.pad_block] * nbs[0]], w, True)
             self.built_widths.add(w)
