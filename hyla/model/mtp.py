@@ -89,8 +89,10 @@ class MTPState:
     each further draft runs it again, as vLLM does for these families), and the runs that
     extend it. They live in one buffer that doubles when full, so a draft step writes its
     row in place (no copy of the state a step), and a draft's rows are taken back by
-    length. A window layer (MiMo-V2-Flash's) keeps every row there too: each run sees a
-    ring built from the window before it, so what is taken back never hides a row.
+    length. A window layer (MiMo-V2-Flash's) keeps its rows there too: each run sees a
+    ring built from the window before it, so what is taken back never hides a row; and a
+    :meth:`truncate` (the drafts taken back) forgets the rows a window before the length
+    it keeps, so its buffer stays a few windows long however long the sequence.
 
     Its rows are positions ``base, base + 1, ...`` of the target's sequence; rotary
     attention depends only on distances, so a state that starts late (``base`` > 0) is one
@@ -100,6 +102,7 @@ class MTPState:
         if getattr(model, "mtp", None) is None:
             raise ValueError("the model has no multi-token-prediction layers (mtp_layers=0)")
         self.model, self.base, self.num_tokens = model, base, 0
+        self.forgotten = 0      # a window layer's rows before the buffer's first (see truncate)
         spec = layer_specs(model.mtp.cfg)[0]
         self.window = spec.window
         if spec.fixed and self.window is None:
@@ -128,10 +131,11 @@ class MTPState:
         if T == 0 or hidden.shape[0] != T:
             raise ValueError(f"expected one hidden row per token, got {hidden.shape[0]} rows "
                              f"for {T} tokens")
-        if S + T > self.capacity:
-            grown = self._alloc(max(2 * self.capacity, S + T))
+        held = S - self.forgotten
+        if held + T > self.capacity:
+            grown = self._alloc(max(2 * self.capacity, held + T))
             for name, t in self.buffers[0].items():
-                grown[0][name][:, :S] = t[:, :S]
+                grown[0][name][:, :held] = t[:, :held]
             self.buffers = grown
         if self.window is None:
             return self._extend(next_ids, hidden, self.buffers)
@@ -143,8 +147,9 @@ class MTPState:
         model, S, T = self.model, self.num_tokens, len(next_ids)
         p = model.anchor
         ids = torch.tensor(next_ids, device=p.device)
-        ctx = Context.prefill([S], [T], [0], [[0]], buffers, block_size=self.capacity,
-                              device=p.device, last_logits=False)
+        ctx = Context.prefill([S], [T], [0], [[0]], buffers,
+                              block_size=max(self.capacity, S + T), device=p.device,
+                              last_logits=False)
         g = model.mtp(model.embed_tokens(ids[None]), hidden[None].to(p.dtype), ctx)[0]
         self.num_tokens = S + T
         return g
@@ -153,22 +158,33 @@ class MTPState:
         """One run of at most ``window`` pairs through a window layer: the ring holds the
         rows of the window before them, then gives their rows back to the buffer."""
         S, T, W = self.num_tokens, len(next_ids), self.window
-        buf = self.buffers[0]
+        buf, f = self.buffers[0], self.forgotten
         dev = next(iter(buf.values())).device
         held = torch.arange(max(0, S - W), S, device=dev)
         ring = {}
         for name, t in buf.items():
             ring[name] = t.new_zeros(1, W, *t.shape[2:])
-            ring[name][0, held % W] = t[0, held]
+            ring[name][0, held % W] = t[0, held - f]
         g = self._extend(next_ids, hidden, [ring])
         new = torch.arange(S, S + T, device=dev)
         for name, t in buf.items():
-            t[0, new] = ring[name][0, new % W]
+            t[0, new - f] = ring[name][0, new % W]
         return g
 
     def truncate(self, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` rows (drafts' rows are taken back this way: rows
         past them are overwritten by the next run)."""
-        if not 0 <= num_tokens <= self.num_tokens:
-            raise ValueError(f"num_tokens must be in [0, {self.num_tokens}], got {num_tokens}")
+        least = self.forgotten + (self.window or 0) if self.forgotten else 0
+        if not least <= num_tokens <= self.num_tokens:
+            raise ValueError(f"num_tokens must be in [{least}, {self.num_tokens}] (a window "
+                             f"layer forgets rows a window before a length it kept), got "
+                             f"{num_tokens}")
         self.num_tokens = num_tokens
+        W = self.window
+        if W and num_tokens - W - self.forgotten >= self.capacity // 2:
+            # rows before num_tokens - W are read by no later run: move the window to the
+            # buffer's front (amortised: at most every capacity / 2 rows)
+            keep = num_tokens - W
+            for t in self.buffers[0].values():
+                t[:, :W] = t[:, keep - self.forgotten:num_tokens - self.forgotten].clone()
+            self.forgotten = keep

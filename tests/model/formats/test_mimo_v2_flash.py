@@ -325,3 +325,33 @@ def test_compiled_decode_builds_and_equals_eager(saved, caplog):
     (got,) = eng.generate([prompt], greedy)
     assert got.output_ids == want.output_ids and eng.runner.num_compilations > 0
     assert eng.runner.skip_module_guards is ("every guard" not in caplog.text)
+
+
+def test_a_window_mtp_state_stays_bounded_and_exact(saved, tmp_path):
+    """A window layer's MTP state forgets rows a window before each length it keeps: run in
+    random pieces with drafts taken back, from a small buffer, it gives the outputs of one
+    run, and its buffer stays a few windows long; a truncate below what it forgot is
+    refused."""
+    import random
+
+    from hyla.model.mtp import MTPState
+
+    ref, path = saved
+    model, _ = load_model(with_mtp(path, tmp_path / "mtp", mtp_parts(ref, n=1)))
+    n = 120
+    ids = torch.randint(0, VOCAB, (n + 1,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        h = model(ids[None], hidden=True)[0]
+        want = MTPState(model, capacity=512).run(ids[1:].tolist(), h[:-1])
+        st, got, p, rng = MTPState(model, capacity=8), [], 0, random.Random(0)
+        while p < n:
+            m = min(n - p, rng.randint(1, 12))
+            got.append(st.run(ids[p + 1:p + m + 1].tolist(), h[p:p + m]))
+            p += m
+            for _ in range(rng.randint(0, 3)):          # drafts, taken back
+                st.run([rng.randrange(VOCAB)], h[p - 1:p])
+            st.truncate(p)
+    assert rel(torch.cat(got), want) <= 1e-5
+    assert st.forgotten > 0 and st.capacity <= 4 * (WINDOW + 12)
+    with pytest.raises(ValueError, match="forgets rows"):
+        st.truncate(st.forgotten)
