@@ -65,6 +65,14 @@ def test_piped_chat_with_reset_and_exit(monkeypatch, capsys):
     assert len(out.splitlines()) == 2   # one line a reply (random bytes may hold no newline)
 
 
+def test_chat_says_how_many_drafts_were_kept(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("abcabcabcabc\n/exit\n"))
+    assert main(["chat", "--preset", "debug", "--max-tokens", "12", "--temperature", "0",
+                 "--threads", "1", "--speculative", "ngram"]) == 0
+    assert re.search(r"^12 tokens at .*; ngram drafts: \d+ of \d+ kept", capsys.readouterr().err,
+                     flags=re.M)
+
+
 def test_generate_reports_its_speed(capsys):
     assert main(["generate", "--preset", "debug", "--prompt", "Hi", "--max-tokens", "5"]) == 0
     out, err = capsys.readouterr()

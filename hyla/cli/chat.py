@@ -38,6 +38,7 @@ from hyla.cli.model_flags import (
     add_weights_cache,
     apply_quantize,
     drafter,
+    drafts_kept,
     load_quantized,
 )
 
@@ -248,7 +249,7 @@ def cmd_chat(args: argparse.Namespace, out: Console) -> int:
                 continue
             sys.stdout.write("\n")
             sys.stdout.flush()
-            err.print(f"[dim]{turn_line(chat.last)}[/]")
+            err.print(f"[dim]{turn_line(chat.last)}{drafts_kept(args, draft)}[/]")
     return 0
 
 

@@ -123,6 +123,13 @@ def drafter(args: argparse.Namespace, model, tok, out: Console | None = None):
                         vocab=model.cfg.vocab_size)
 
 
+def drafts_kept(args: argparse.Namespace, draft) -> str:
+    """The stats line's note of how many drafts were kept ("" without a drafter)."""
+    if draft is None:
+        return ""
+    return f"; {args.speculative} drafts: {draft.accepted} of {draft.drafted} kept"
+
+
 def draft_model(args: argparse.Namespace, model, tok, out: Console | None = None):
     """The model of ``--speculative draft:SOURCE`` for ``model``, quantised as
     ``--draft-quantize`` says (None with another method)."""

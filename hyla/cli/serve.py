@@ -47,6 +47,7 @@ from hyla.cli.model_flags import (
     byte_size,
     draft_model,
     drafter,
+    drafts_kept,
     load_quantized,
 )
 
@@ -186,10 +187,9 @@ def cmd_generate(args: argparse.Namespace, out: Console) -> int:
     sys.stdout.write(args.prompt + text + "\n")
     sys.stdout.flush()
     if not args.quiet:
-        kept = (f"; {args.speculative} drafts: {draft.accepted} of {draft.drafted} kept"
-                if draft is not None else "")
         Console(stderr=True, soft_wrap=True).print(
-            f"[dim]{speed_line(load_s, timing)}{kept}[/]", highlight=False)
+            f"[dim]{speed_line(load_s, timing)}{drafts_kept(args, draft)}[/]",
+            highlight=False)
     return 0
 
 
