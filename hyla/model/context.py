@@ -112,7 +112,14 @@ class Context:
                    token_offsets=positions % block_size, kv_spans=kv_spans, chain=chain)
 
     def row(self, b: int) -> Context:
-        """Decode: row ``b`` alone (its slot's fixed rows updated in place)."""
+        """Decode: row ``b`` alone (its slot's fixed rows updated in place); one for every
+        layer of the forward, so that its memo (rotary tables, ring masks) is shared."""
+        key = ("row", b)
+        if key not in self.memo:
+            self.memo[key] = self._row(b)
+        return self.memo[key]
+
+    def _row(self, b: int) -> Context:
         slot = int(self.slots[b])
         return Context("decode", self.positions[b:b + 1], None, self.buffers,
                        slots=self.slots[b:b + 1], slot_span=slice(slot, slot + 1),

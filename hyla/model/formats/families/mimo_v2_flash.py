@@ -152,8 +152,7 @@ def to_config(hf: dict, source: str) -> HylaConfig:
             mixer_options={"attention": common | {"partial_rotary_factor": partial}},
             ffn_options={"moe": moe} if "sparse" in mlp else {},
             layer_overrides=[slide if t == "sliding_attention" else {} for t in types],
-            mtp_options=_MTP_OPTIONS | ({"like": types.index("sliding_attention")}
-                                        if window else {}),
+            mtp_options=_mtp_options(types.index("sliding_attention") if window else None),
             family=KIND)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
@@ -329,9 +328,14 @@ def from_config(cfg: HylaConfig) -> dict:
     return hf
 
 
+def _mtp_options(first_window_layer: int | None) -> dict:
+    """MiMo's MTP layers: built like its first window layer (if any), MiMo's layout."""
+    return _MTP_OPTIONS | ({} if first_window_layer is None else {"like": first_window_layer})
+
+
 def _expected_mtp_options(cfg: HylaConfig) -> dict:
     slide = [i for i in range(cfg.n_layers) if cfg.layer_config(i).sliding_window]
-    return _MTP_OPTIONS | ({"like": slide[0]} if slide else {})
+    return _mtp_options(slide[0] if slide else None)
 
 
 FAMILY = register_family(Family((KIND,), "MiMoV2FlashForCausalLM", to_config, to_state,
