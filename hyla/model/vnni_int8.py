@@ -147,6 +147,9 @@ class VnniInt8Matmul:
                 codes, scales, torch.zeros(len(codes), dtype=torch.long), 0)
             self.packed = torch.ops.quantized.linear_prepack(q, None)
         self.out_features = len(codes)
+        # what the packed copy holds (fbgemm keeps it out of torch's tensors, so a memory
+        # count asks here): a byte a weight, and an int32 offset a column
+        self.packed_bytes = codes.numel() + 4 * len(codes)
         self.handle = next(_HANDLES)
         _PACKED[self.handle] = self
         # W 1, of the weight as quantised (integer sums: exact and cheap)

@@ -34,21 +34,32 @@ def rss_bytes() -> int:
         return 0
 
 
+def _copies(module: nn.Module):
+    """The objects beside tensors that a layer keeps as plain attributes (a quantised
+    layer's fbgemm copies: :class:`~hyla.model.vnni_int8.VnniInt8Matmul`)."""
+    for m in module.modules():
+        for value in vars(m).values():
+            if hasattr(value, "__dict__") and not isinstance(value, (nn.Module, torch.Tensor)):
+                yield value
+
+
 def _tensors(module: nn.Module):
     for m in module.modules():
         yield from m._parameters.values()
         yield from m._buffers.values()
-        for value in vars(m).values():          # copies a layer keeps as plain attributes
-            if isinstance(value, torch.Tensor):
-                yield value
-            elif hasattr(value, "__dict__") and not isinstance(value, nn.Module):
-                yield from (v for v in vars(value).values() if isinstance(v, torch.Tensor))
+        # copies a layer keeps as plain attributes
+        yield from (v for v in vars(m).values() if isinstance(v, torch.Tensor))
+    for copy in _copies(module):
+        yield from (v for v in vars(copy).values() if isinstance(v, torch.Tensor))
 
 
 def tensor_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes of the model's tensors, each storage once: ``{"float": ..., "quantised": ...}``
-    (integer tensors count as quantised: codes, packed weights, int8 copies)."""
+    (integer tensors count as quantised: codes, packed weights, int8 copies, and fbgemm's
+    packed copies, which are not torch tensors: each says its ``packed_bytes``)."""
     seen, out = set(), {"float": 0, "quantised": 0}
+    packed = {id(c): c.packed_bytes for c in _copies(model) if hasattr(c, "packed_bytes")}
+    out["quantised"] += sum(packed.values())
     for t in _tensors(model):
         if t is None or t.device.type == "meta":
             continue
