@@ -121,6 +121,11 @@ class MTPState:
     def capacity(self) -> int:
         return next(iter(self.buffers[0].values())).shape[1]
 
+    def nbytes(self) -> int:
+        """The bytes its buffer holds (what ``hyla serve``'s memory line counts)."""
+        return sum(t.numel() * t.element_size() for layer in self.buffers
+                   for t in layer.values())
+
     @torch.no_grad()
     def run(self, next_ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
         """Extend the state by pairs ``(hidden[i], next_ids[i])``: the target's final

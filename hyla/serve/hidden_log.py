@@ -62,6 +62,11 @@ class HiddenLog:
     def clear(self, slot: int) -> None:
         self._runs.pop(slot, None)
 
+    def nbytes(self) -> int:
+        """The bytes of the rows it holds, every slot's."""
+        return sum(t.numel() * t.element_size() for _, parts, _ in self._runs.values()
+                   for t in parts)
+
     def _cat(self, run) -> torch.Tensor:
         first, parts, n = run
         if len(parts) > 1:

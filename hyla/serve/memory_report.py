@@ -103,12 +103,23 @@ def group_bytes(engine) -> dict[str, dict[str, int]]:
     return {g: out[g] for g in GROUPS}
 
 
+def mtp_state_bytes(engine) -> int:
+    """``--speculative mtp``'s bytes for the running requests: the target's hidden states
+    it drafts from (:class:`~hyla.serve.hidden_log.HiddenLog`) and each request's MTP
+    layer keys and values (:class:`~hyla.model.mtp.MTPState`); 0 without it."""
+    log, speculator = engine.runner.hidden_log, getattr(engine, "speculator", None)
+    return (log.nbytes() if log is not None else 0) + (
+        speculator.state_bytes() if speculator is not None else 0)
+
+
 def breakdown(engine, rss_before_model: int = 0) -> dict[str, int]:
     """Bytes by part for a serving :class:`~hyla.serve.engine.Engine`: ``resident``,
     ``weights_float``, ``weights_quantised``, ``state_slots`` (fixed state and snapshots),
     ``kv_in_use`` (blocks held by requests), ``kv_reserved``, ``draft_model`` (speculative
     decoding's draft weights), ``draft_reserved`` (its states' buffers: KV blocks mapped as
-    they fill, like ``kv_reserved``), ``rest`` (resident minus what
+    they fill, like ``kv_reserved``), ``mtp_state`` (``--speculative mtp``: the target's
+    hidden states it drafts from and its MTP layers' keys and values, each running
+    request's), ``rest`` (resident minus what
     is counted) and ``before_model`` (the resident set before loading, 0 if unknown)."""
     runner = engine.runner
     weights = tensor_bytes(engine.model)
@@ -126,12 +137,13 @@ def breakdown(engine, rss_before_model: int = 0) -> dict[str, int]:
     slots = getattr(engine, "draft_slots", None)
     draft_reserved = sum(t.numel() * t.element_size() for layer in slots.runner.buffers
                          for t in layer.values()) if slots is not None else 0
+    mtp = mtp_state_bytes(engine)
     resident = rss_bytes()
-    counted = weights["float"] + weights["quantised"] + fixed + kv_in_use + draft_bytes
+    counted = weights["float"] + weights["quantised"] + fixed + kv_in_use + draft_bytes + mtp
     return {"resident": resident, "weights_float": weights["float"],
             "weights_quantised": weights["quantised"], "state_slots": fixed,
             "kv_in_use": kv_in_use, "kv_reserved": kv_reserved, "draft_model": draft_bytes,
-            "draft_reserved": draft_reserved,
+            "draft_reserved": draft_reserved, "mtp_state": mtp,
             "rest": max(0, resident - counted), "before_model": rss_before_model}
 
 
@@ -146,6 +158,7 @@ def describe(parts: dict[str, int]) -> str:
             + (f" + draft model {mb['draft_model']:.0f} MB (its states "
                f"{mb.get('draft_reserved', 0):.0f} MB reserved, mapped as used)"
                if parts.get("draft_model") else "")
+            + (f" + MTP state {mb['mtp_state']:.1f} MB" if parts.get("mtp_state") else "")
             + " + the rest "
             f"{mb['rest']:.0f} MB (interpreter, libraries, tokenizer, allocator)")
     if parts["before_model"]:

@@ -6,7 +6,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from hyla.serve.memory_report import group_bytes
+from hyla.serve.memory_report import group_bytes, mtp_state_bytes
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -33,7 +33,8 @@ class EngineMetrics:
                               registry=r)
         self.state_bytes = Gauge("hyla_state_bytes", "Per-sequence state held by running "
                                  "requests, by memory group (full attention: KV blocks; "
-                                 "window: rings; recurrent: fixed states)", ["group"],
+                                 "window: rings; recurrent: fixed states; mtp: --speculative mtp's "
+                                 "hidden states and MTP keys and values)", ["group"],
                                  registry=r)
         self.cache_hit = Gauge("hyla_prefix_cache_hit_rate",
                                "Prompt tokens served from the prefix cache / prompt tokens",
@@ -116,6 +117,8 @@ class EngineMetrics:
                 self.kv_usage.set(s.blocks.num_used / s.blocks.num_blocks)
             for group, held in group_bytes(engine).items():
                 self.state_bytes.labels(group=group).set(held["in_use"])
+            if engine.runner.hidden_log is not None:
+                self.state_bytes.labels(group="mtp").set(mtp_state_bytes(engine))
             if s.prefix_cache is not None:
                 self.cache_hit.set(s.prefix_cache.hit_rate)
                 self._catch_up(self.cache_queries, s.prefix_cache.query_tokens)

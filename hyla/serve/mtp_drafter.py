@@ -127,6 +127,10 @@ class MTPDrafter(BackOff):
             self.upto, self._g = n, g[-1]
         return self._g
 
+    def state_bytes(self) -> int:
+        """The bytes its MTP state holds (0 before its first draft)."""
+        return self.state.nbytes() if self.state is not None else 0
+
     def close(self) -> None:
         """The request ended: its slot's hidden states go too."""
         if self.log is not None:

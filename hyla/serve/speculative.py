@@ -149,6 +149,11 @@ class Speculator:
         if drafter is not None and hasattr(drafter, "close"):
             drafter.close()
 
+    def state_bytes(self) -> int:
+        """The bytes the running requests' drafters hold (an MTP head's states; n-gram
+        drafters hold none)."""
+        return sum(d.state_bytes() for d in self._drafters.values() if hasattr(d, "state_bytes"))
+
     def step(self, engine, out) -> list | None:
         """A speculative step: n-gram drafts verified in one forward, the drafts the model
         keeps (greedy: the agreeing prefix; sampled: by the speculative sampling rule,

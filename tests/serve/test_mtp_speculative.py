@@ -262,3 +262,29 @@ def test_unsure_head_backs_off(trained):
     assert unsure.draft(tokens + [7], room=8) == []
     assert unsure.waiting() and not unsure.waiting()
     assert len(plain.draft(tokens + [7], room=8)) == 1
+
+
+def test_the_memory_line_counts_the_mtp_state(oracle):
+    """A running request's MTP state (the target's hidden states it drafts from, the MTP
+    layer's keys and values) is in ``hyla serve``'s memory line; a finished one's is gone."""
+    from hyla.serve.memory_report import breakdown, describe
+
+    eng = Engine(oracle, None, EngineConfig(max_model_len=128, speculative="mtp",
+                                            num_speculative_tokens=3, max_num_seqs=2))
+    eng.add_request(_prompts()[2], GREEDY)
+    for _ in range(6):
+        eng.step()
+    parts = breakdown(eng)
+    drafter = next(iter(eng.speculator._drafters.values()))
+    d = oracle.cfg.d_model
+    # the log's rows (40 prompt positions and more, d floats each) and the state's buffer
+    assert parts["mtp_state"] >= 40 * d * 4 + drafter.state_bytes() > 40 * d * 4
+    assert "+ MTP state" in describe(parts)
+    from hyla.serve.metrics import EngineMetrics
+
+    line = next(x for x in EngineMetrics().render(eng).decode().splitlines()
+                if x.startswith('hyla_state_bytes{group="mtp"}'))
+    assert float(line.split()[-1]) == parts["mtp_state"]
+    while eng.has_unfinished():
+        eng.step()
+    assert breakdown(eng)["mtp_state"] == 0
