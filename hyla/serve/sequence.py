@@ -116,6 +116,12 @@ class SamplingParams:
         if len(self.stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise ValueError(f"stop: at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} "
                              "characters each")
+        for s in self.stop:     # a lone surrogate (JSON's "\ud800") never matches text
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"stop: {s[e.start:e.end]!r} at character {e.start} cannot "
+                                 f"be encoded as UTF-8 ({e.reason})") from None
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(
                 not _is_int(t) or not 0 <= t < 2 ** 63 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} ints >= 0")

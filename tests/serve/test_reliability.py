@@ -200,7 +200,9 @@ def test_lone_surrogate_is_400_and_keeps_the_connection(server):
                 ("/v1/chat/completions",
                  b'{"messages": [{"role": "user", "content": "x\\ud800"}], "max_tokens": 2}'),
                 ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": '
-                                         b'[{"type": "text", "text": "\\ud83d"}]}]}')]:
+                                         b'[{"type": "text", "text": "\\ud83d"}]}]}'),
+                ("/tokenize", b'{"prompt": "a\\ud800b"}'),      # was a 500
+                ("/v1/completions", b'{"prompt": "a", "stop": ["x\\udc00"]}')]:
             r = c.post(base + path, content=body, headers={"Content-Type": "application/json"})
             assert r.status_code == 400, r.text
             assert "UTF-8" in r.json()["error"]["message"]

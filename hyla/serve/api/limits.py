@@ -167,6 +167,17 @@ def max_token_bytes(tok) -> int | None:
     return None
 
 
+def utf8_bytes(text: str, param: str) -> int:
+    """``text``'s UTF-8 length; text that has none (a lone surrogate, which JSON's ``\\ud800``
+    escapes can carry) is a 400 naming ``param``."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise APIError(f"{param} holds text that cannot be encoded as UTF-8 "
+                       f"({e.reason}: {text[e.start:e.end]!r} at character {e.start})",
+                       param=param) from None
+
+
 class PromptEncoder:
     """Encodes prompts on a small thread pool (never on the event loop), refusing before
     tokenising a text certainly longer than ``max_len`` tokens, and answering text that
@@ -186,12 +197,7 @@ class PromptEncoder:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def encode_sync(self, text: str, param: str) -> list[int]:
-        try:
-            nbytes = len(text.encode("utf-8"))
-        except UnicodeEncodeError as e:
-            raise APIError(f"{param} holds text that cannot be encoded as UTF-8 "
-                           f"({e.reason}: {text[e.start:e.end]!r} at character {e.start})",
-                           param=param) from None
+        nbytes = utf8_bytes(text, param)
         if self.max_token_bytes:
             least = math.ceil(nbytes / self.max_token_bytes)
             if least >= self.max_len:

@@ -28,6 +28,7 @@ import asyncio
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict
 
+from hyla.serve.api.limits import utf8_bytes
 from hyla.serve.api.schemas import APIError
 
 
@@ -82,6 +83,7 @@ def add_tokenizer_routes(app: FastAPI, tok, max_len: int) -> None:
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         need()
+        utf8_bytes(req.prompt, "prompt")
         ids = await asyncio.to_thread(encode_plain, tok, req.prompt, req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": max_len}
 
