@@ -109,3 +109,25 @@ def test_failed_engine_is_503_not_a_crash(engine):
     assert r.status_code == 503 and "boom" in r.json()["error"]["message"]
     assert h.status_code == 503 and h.json()["status"] == "error"
     assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_logprobs_of_tokens_that_are_part_of_a_character():
+    """Byte tokens of an emoji each decode to U+FFFD: their ``bytes`` are their own (they
+    rebuild the text), their names stay apart (``bytes:\\xf0``), and text offsets count
+    the characters the text has (found by a hostile client: the bytes were U+FFFD's, the
+    top alternatives overwrote one another, and the offsets drifted)."""
+    from hyla.model.sampler import TokenLogprob
+    from hyla.serve.api.format import Formatter
+
+    tok, text = ByteTokenizer(), "a🌟é!"
+    ids = list(text.encode("utf-8"))
+    lps = [TokenLogprob(t, -0.5, [(t, -0.5), (0xF1, -1.0), (0xF2, -2.0)]) for t in ids]
+    chat = Formatter(tok, "c", "m", chat=True, logprobs=3).format_logprobs(lps)["content"]
+    assert b"".join(bytes(e["bytes"]) for e in chat).decode("utf-8") == text
+    assert [len(e["top_logprobs"]) for e in chat] == [3] * len(ids)
+    assert chat[1]["token"] == "bytes:\\xf0" and chat[0]["token"] == "a"
+    completion = Formatter(tok, "c", "m", chat=False, logprobs=3).format_logprobs(lps)
+    assert all(len(top) == 3 for top in completion["top_logprobs"])     # none overwritten
+    assert completion["top_logprobs"][1]["bytes:\\xf0"] == -0.5
+    # "a" at 0, the star's 4 bytes at 1 (the character they make), "é"'s 2 at 2, "!" at 3
+    assert completion["text_offset"] == [0, 1, 1, 1, 1, 2, 2, 3]

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from hyla.serve.api.token_bytes import is_partial, token_bytes, token_text
 from hyla.serve.api.tools import ToolStream, split_calls
 from hyla.serve.engine import StepOutput
 
@@ -115,10 +116,31 @@ class Formatter:
         self.logprobs, self.include_usage = logprobs, include_usage
         self.created = int(time.time())
         self.offset = self._offset0 = text_offset   # completions' text_offset counts from here
+        self._pending = b""     # bytes of a character that a later token completes
         self.echo = echo
 
     def _token(self, t: int) -> str:
-        return self.tok.decode([t])
+        return token_text(self.tok, t)
+
+    def _advance(self, t: int) -> int:
+        """Token ``t``'s text offset; moves ``self.offset`` past its characters. Part of a
+        character waits in ``self._pending`` until the token that completes it."""
+        at, text = self.offset, self.tok.decode([t])
+        if is_partial(text):
+            self._pending += token_bytes(self.tok, t, text)
+            try:
+                self.offset += len(self._pending.decode("utf-8"))
+            except UnicodeDecodeError:
+                if len(self._pending) < 4:      # a character is at most 4 bytes
+                    return at
+                self.offset += len(self._pending.decode("utf-8", errors="replace"))
+            self._pending = b""
+            return at
+        if self._pending:           # an unfinished character: one U+FFFD in the text
+            self.offset += len(self._pending.decode("utf-8", errors="replace"))
+            self._pending, at = b"", self.offset
+        self.offset += len(text)
+        return at
 
     def _prompt_entries(self, echo: Echo, plps: list | None) -> dict:
         """The completion logprobs of an echoed prompt (advances ``self.offset``)."""
@@ -127,8 +149,7 @@ class Formatter:
             lp = plps[i] if plps is not None and i < len(plps) else None
             s = self._token(t)
             tokens.append(s)
-            offsets.append(self.offset)
-            self.offset += len(s)
+            offsets.append(self._advance(t))
             values.append(None if lp is None else lp.logprob)
             tops.append(None if lp is None else
                         {s: lp.logprob} | {self._token(a): v for a, v in lp.top})
@@ -141,17 +162,14 @@ class Formatter:
             return None
         if self.chat:
             def entry(t: int, lp: float) -> dict:
-                s = self._token(t)
-                return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+                return {"token": self._token(t), "logprob": lp,
+                        "bytes": list(token_bytes(self.tok, t))}
             return {"content": [entry(x.token, x.logprob)
                                 | {"top_logprobs": [entry(t, v) for t, v in x.top]}
                                 for x in lps], "refusal": None}
         head = self._prompt_entries(echo, prompt_logprobs) if echo is not None else None
         tokens = [self._token(x.token) for x in lps]
-        offsets = []
-        for s in tokens:
-            offsets.append(self.offset)
-            self.offset += len(s)
+        offsets = [self._advance(x.token) for x in lps]
         body = {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
                 "top_logprobs": [{self._token(t): v for t, v in x.top} for x in lps],
                 "text_offset": offsets}
@@ -185,7 +203,7 @@ class Formatter:
                 choice["message"] = {"role": "assistant", "content": res.text}
             else:
                 choice["text"] = (echo.text if echo else "") + res.text
-            self.offset = self._offset0
+            self.offset, self._pending = self._offset0, b""
             choice["logprobs"] = self.format_logprobs(res.logprobs, echo, res.prompt_logprobs)
             choice["finish_reason"] = finish
             choices.append(choice)
