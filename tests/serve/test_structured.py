@@ -166,6 +166,28 @@ def test_tool_calls_split_and_stream_at_every_cut():
     assert s.feed("<tool_call>\n{broken") == [] and s.flush() == "<tool_call>\n{broken"
 
 
+def test_a_tool_argument_may_hold_the_closing_tag():
+    """An argument whose text holds ``</tool_call>`` (code, or injected text) is part of
+    the call; the tag ends the block only outside JSON strings (found by a hostile client:
+    the call was cut there, and came back as content with finish_reason "stop")."""
+    text = ('<tool_call>\n{"name": "f", "arguments": {"a": "</tool_call>", "b": '
+            '"x\\"</tool_call>"}}\n</tool_call> after')
+    content, calls = split_calls(text)
+    assert content == "after" and json.loads(calls[0]["function"]["arguments"]) == {
+        "a": "</tool_call>", "b": 'x"</tool_call>'}
+    for cut in range(1, len(text)):
+        s = ToolStream()
+        events = s.feed(text[:cut]) + s.feed(text[cut:])
+        said = "".join(v for k, v in events if k == "content") + s.flush()
+        assert [k for k, _ in events][0] == "call" and said.strip() == "after"
+        assert [k for k, _ in events].count("call") == 1
+        assert json.loads(s.calls[0]["function"]["arguments"])["a"] == "</tool_call>"
+    # a block that is not a call stays text, and the calls after it are found
+    content, calls = split_calls('<tool_call>oops</tool_call> <tool_call>{"name": "g"}'
+                                 '</tool_call>')
+    assert content == "<tool_call>oops</tool_call>" and calls[0]["function"]["name"] == "g"
+
+
 def test_templates_without_tools_get_them_as_text():
     from hyla.serve.api.schemas import ChatMessage
 

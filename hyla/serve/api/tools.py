@@ -27,7 +27,6 @@ from hyla.serve.structured import JSON_OPTIONS
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 SYSTEM = ("You may call one or more functions to assist with the user query.\n\n"
           "You are provided with function signatures within <tools></tools> XML tags:\n"
           "<tools>\n{tools}\n</tools>\n\n"
@@ -218,6 +217,30 @@ def new_call(body: str) -> dict | None:
                          "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
+def _inside_string(json_text: str) -> bool:
+    """Whether ``json_text`` ends inside a JSON string."""
+    inside = escaped = False
+    for ch in json_text:
+        if escaped:
+            escaped = False
+        elif ch == "\\" and inside:
+            escaped = True
+        elif ch == '"':
+            inside = not inside
+    return inside
+
+
+def block_end(text: str, start: int) -> int:
+    """Where the ``</tool_call>`` that ends the block opened at ``start`` begins (-1: not
+    yet written). One inside a JSON string is an argument's text, not the end (a call
+    whose argument holds the tag was once cut there and lost)."""
+    body = start + len(OPEN)
+    end = text.find(CLOSE, body)
+    while end >= 0 and _inside_string(text[body:end]):
+        end = text.find(CLOSE, end + 1)
+    return end
+
+
 def split_calls(text: str) -> tuple[str | None, list[dict]]:
     """(the text outside ``<tool_call>`` blocks, or None when empty; the calls).
 
@@ -227,13 +250,14 @@ def split_calls(text: str) -> tuple[str | None, list[dict]]:
         >>> content, calls[0]["function"]
         ('Sure.', {'name': 'f', 'arguments': '{"x": 1}'})
     """
-    calls, kept, last = [], [], 0
-    for m in _CALL.finditer(text):
-        call = new_call(m.group(1))
+    calls, kept, last, at = [], [], 0, 0
+    while (start := text.find(OPEN, at)) >= 0 and (end := block_end(text, start)) >= 0:
+        at = end + len(CLOSE)
+        call = new_call(text[start + len(OPEN):end].strip())
         if call is None:
             continue
-        kept.append(text[last:m.start()])
-        last = m.end()
+        kept.append(text[last:start])
+        last = at
         calls.append(call)
     kept.append(text[last:])
     content = "".join(kept).strip()
@@ -271,7 +295,7 @@ class ToolStream:
             if start:
                 events.append(("content", self._buf[:start]))
                 self._buf = self._buf[start:]
-            end = self._buf.find(CLOSE)
+            end = block_end(self._buf, 0)
             if end < 0:
                 break
             call = new_call(self._buf[len(OPEN):end].strip())
