@@ -68,7 +68,8 @@ def test_quickstart(capsys, tmp_path):
     code, out, _ = run(capsys, "quickstart", "--max-tokens", "4", "--preset", "debug",
                        "--steps", "2", "--out", str(tmp_path / "run"))
     assert code == 0
-    assert "parameters" in out and "29.5 MB" in out and "validation loss" in out
+    assert "parameters" in out and "validation loss" in out
+    assert "Preset debug" in out and "memory of debug" in out and "small" not in out
     assert "def fibonacci(n):" in out
     assert (tmp_path / "run" / "ckpt-000002" / "model.safetensors").is_file()
     assert f"hyla serve --checkpoint {tmp_path / 'run'}" in out
@@ -182,3 +183,29 @@ def test_serve_trains_the_quickstart_model_when_missing(tmp_path, monkeypatch):
     assert load_model(args, Console(quiet=True))[2] == "quickstart" and len(calls) == 1
     load_model(args, Console(quiet=True))          # there now: not trained again
     assert len(calls) == 1
+
+
+def test_a_new_run_never_overwrites_one_already_saved(capsys, tmp_path):
+    """train and distill into a directory that holds a run: refused, naming --resume (found
+    by a newcomer: the old run's metrics and settings were replaced while its newer
+    checkpoints stayed, so the directory then loaded the old model); and an --out that is
+    a file is named in the error."""
+    argv = ["train", "--preset", "debug", "--steps", "1", "--seq-len", "32", "--batch-size",
+            "1", "--no-progress", "--vocab-size", "300", "--tokenizer-documents", "5"]
+    run_dir = tmp_path / "run"
+    assert run(capsys, *argv, "--out", str(run_dir))[0] == 0
+    saved = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    for command in (argv, ["distill", "--teacher", str(run_dir), "--stage1-steps", "1"]):
+        code, out, err = run(capsys, *command[:1], *command[1:], "--out", str(run_dir))
+        assert code != 0 and "already holds a run" in err and "--resume" in err, err
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == saved
+    (tmp_path / "afile").write_text("hi")
+    code, _, err = run(capsys, *argv, "--out", str(tmp_path / "afile"))
+    assert code != 0 and str(tmp_path / "afile") in err and "Traceback" not in err
+
+
+def test_an_infinite_learning_rate_is_refused(capsys, tmp_path):
+    """--lr inf once trained to NaN and saved the NaN weights as the newest checkpoint."""
+    code, _, err = run(capsys, "train", "--preset", "debug", "--steps", "1", "--lr", "inf",
+                       "--out", str(tmp_path / "run"))
+    assert code != 0 and "finite" in err and not list(tmp_path.glob("run/ckpt-*"))

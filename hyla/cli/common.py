@@ -276,6 +276,21 @@ def format_seconds(s: float) -> str:
     return f"{int(s // 60)} min {int(round(s % 60))} s"
 
 
+def refuse_existing_run(out_dir, command: str) -> None:
+    """ValueError when ``out_dir`` already holds a run (checkpoints, metrics): a new run
+    there would overwrite its metrics and settings while its newer checkpoints stayed, and
+    loading the directory would give the old model."""
+    path = pathlib.Path(out_dir)
+    if not path.is_dir():
+        return
+    held = sorted(p.name for p in path.iterdir()
+                  if p.name.startswith("ckpt-") or p.name in ("metrics.jsonl", "run.json"))
+    if held:
+        shown = ", ".join(held[-3:]) + (", ..." if len(held) > 3 else "")
+        raise ValueError(f"--out {path} already holds a run ({shown}): continue it with "
+                         f"hyla {command} --resume {path}, or give another --out")
+
+
 def train_quickstart(out: Console, *, preset: str = "small", steps: int = 120,
                      out_dir: str = QUICKSTART_DIR, threads: int | None = None) -> str:
     """Train the quickstart model (a BPE tokenizer, then ``steps`` AdamW steps on the Python

@@ -16,7 +16,7 @@ import dataclasses
 
 from rich.console import Console
 
-from hyla.cli.common import SOURCE_HELP
+from hyla.cli.common import SOURCE_HELP, refuse_existing_run
 from hyla.train.config import OPTIMIZERS
 from hyla.train.distill.config import LAYER_RANKINGS, DistillConfig
 from hyla.train.distill.recipes import DEFAULT_RECIPE, RECIPE_FIELDS, RECIPES
@@ -153,6 +153,7 @@ def cmd_distill(args: argparse.Namespace, out: Console) -> int:
     else:
         names = {f.name for f in dataclasses.fields(DistillConfig)}
         cfg = DistillConfig(**{k: v for k, v in vars(args).items() if k in names})
+        refuse_existing_run(cfg.out, "distill")
         distiller = Distiller(cfg, log=out.print, answer=engine_answers)
     cfg, student = distiller.cfg, distiller.model
     out.print(f"distilling {cfg.teacher} ({distiller.teacher.num_parameters():,} parameters) "

@@ -90,8 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                              f"pip install -e '.[{extra}]')"))
         return 2
     except OSError as e:    # the machine's side: a full disk, a permission, a busy port
-        where = f" ({e.filename})" if e.filename and str(e.filename) not in str(e) else ""
-        err.print(f"[red]error:[/] {escape((e.strerror or str(e)) + where)}")
+        said = e.strerror or str(e)
+        where = f": {e.filename}" if e.filename and str(e.filename) not in said else ""
+        err.print(f"[red]error:[/] {escape(said + where)}")
         return 1
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0

@@ -29,6 +29,7 @@ from hyla.cli.common import (
     memory_table,
     positive,
     published_line,
+    refuse_existing_run,
     torch_threads,
     train_quickstart,
 )
@@ -150,8 +151,9 @@ def cmd_quickstart(args: argparse.Namespace, out: Console) -> int:
 
     start = time.perf_counter()
     out.rule("hyla quickstart")
-    small = memory_report("small", 8192, budget_gib=DEFAULT_BUDGET_GIB)
-    out.print(f"Preset [bold]small[/]: layers {small['layers']}, "
+    # the preset it trains (a "small" line once described every run, debug's too)
+    small = memory_report(args.preset, 8192, budget_gib=DEFAULT_BUDGET_GIB)
+    out.print(f"Preset [bold]{args.preset}[/]: layers {small['layers']}, "
               f"{small['params']:,} parameters.")
     out.print(memory_table(small))
     big = memory_report("laplace-3b", 8192, budget_gib=DEFAULT_BUDGET_GIB)
@@ -185,6 +187,8 @@ def cmd_train(args: argparse.Namespace, out: Console) -> int:
 
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    if not args.resume:
+        refuse_existing_run(cfg.out, "train")
     trainer = Trainer(cfg, resume=args.resume)
     say = out.print if trainer.rank == 0 else (lambda *a, **k: None)   # torchrun: rank 0 talks
     parallel = (f", {trainer.world} ranks, {trainer.cfg.strategy}" if trainer.world > 1

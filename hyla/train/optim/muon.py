@@ -52,8 +52,8 @@ def update_scale(shape: tuple[int, int] | torch.Size) -> float:
 def check_hyperparameters(lr: float, momentum: float, ns_steps: int,
                           weight_decay: float) -> None:
     """Raise ValueError naming the first bad argument (shared with the distributed Muon)."""
-    if not lr >= 0:
-        raise ValueError(f"lr must be >= 0, got {lr!r}")
+    if not 0 <= lr < float("inf"):
+        raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
     if not 0 <= momentum < 1:
         raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
     if not isinstance(ns_steps, int) or ns_steps < 1:

@@ -41,8 +41,8 @@ def build_optimizers(model: nn.Module, *, lr_muon: float = 0.02, lr_adamw: float
     """
     for name, value in (("lr_muon", lr_muon), ("lr_adamw", lr_adamw),
                         ("weight_decay", weight_decay)):
-        if not value >= 0:
-            raise ValueError(f"{name} must be >= 0, got {value!r}")
+        if not 0 <= value < float("inf"):     # inf trains to NaN at once
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     muon_params, adamw_params = split_params(model)
     if not muon_params:
         raise ValueError("model has no 2-D hidden weights for Muon")
