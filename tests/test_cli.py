@@ -209,3 +209,23 @@ def test_an_infinite_learning_rate_is_refused(capsys, tmp_path):
     code, _, err = run(capsys, "train", "--preset", "debug", "--steps", "1", "--lr", "inf",
                        "--out", str(tmp_path / "run"))
     assert code != 0 and "finite" in err and not list(tmp_path.glob("run/ckpt-*"))
+
+
+def test_a_diverged_run_stops_and_keeps_its_last_good_checkpoint(capsys, tmp_path):
+    """A loss that turns NaN stops the run before that step is saved (it once trained on
+    and saved NaN weights as the newest checkpoint); a finished run resumed says so."""
+    argv = ["train", "--preset", "debug", "--seq-len", "32", "--batch-size", "1",
+            "--no-progress", "--vocab-size", "300", "--tokenizer-documents", "5",
+            "--save-every", "1", "--out", str(tmp_path / "run")]
+    code, _, err = run(capsys, *argv, "--steps", "4", "--lr", "1e30", "--muon-lr", "1e30")
+    assert code != 0 and "diverged" in err and "--resume" in err, err
+    saved = sorted(p.name for p in (tmp_path / "run").glob("ckpt-*"))
+    assert saved and all(p.name.startswith("ckpt-") for p in (tmp_path / "run").iterdir()
+                         if p.is_dir())
+    from hyla.model.load import load_model
+
+    load_model(tmp_path / "run" / saved[-1])       # finite weights (non-finite are refused)
+    good = tmp_path / "good"
+    assert run(capsys, *argv[:-1], str(good), "--steps", "1")[0] == 0
+    code, out, _ = run(capsys, "train", "--resume", str(good), "--no-progress")
+    assert code == 0 and "already complete" in out and "nan" not in out

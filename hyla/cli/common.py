@@ -276,6 +276,16 @@ def format_seconds(s: float) -> str:
     return f"{int(s // 60)} min {int(round(s % 60))} s"
 
 
+def finished_line(record: dict, out_dir, stage: bool = False) -> str:
+    """What ``train`` and ``distill`` say at the end of a run: its last step's validation
+    loss, or, for a run resumed after its last step, that there was nothing left to do."""
+    at = f"step {record['step']}" + (f" (stage {record['stage']})" if stage else "")
+    if "val_loss" not in record and "loss" not in record:
+        return f"{at}: the run was already complete; its checkpoints are in {out_dir}"
+    return (f"{at}: validation loss {record.get('val_loss', float('nan')):.3f}; "
+            f"checkpoint in {out_dir}")
+
+
 def refuse_existing_run(out_dir, command: str) -> None:
     """ValueError when ``out_dir`` already holds a run (checkpoints, metrics): a new run
     there would overwrite its metrics and settings while its newer checkpoints stayed, and

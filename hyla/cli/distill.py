@@ -16,7 +16,7 @@ import dataclasses
 
 from rich.console import Console
 
-from hyla.cli.common import SOURCE_HELP, refuse_existing_run
+from hyla.cli.common import SOURCE_HELP, finished_line, refuse_existing_run
 from hyla.train.config import OPTIMIZERS
 from hyla.train.distill.config import LAYER_RANKINGS, DistillConfig
 from hyla.train.distill.recipes import DEFAULT_RECIPE, RECIPE_FIELDS, RECIPES
@@ -160,8 +160,7 @@ def cmd_distill(args: argparse.Namespace, out: Console) -> int:
               f"into {student.num_parameters():,} parameters, {student.cfg.n_kv_heads} KV "
               f"heads -> {distiller.out}")
     record = distiller.fit(progress=not args.no_progress)
-    out.print(f"step {record['step']} (stage {record['stage']}): validation loss "
-              f"{record.get('val_loss', float('nan')):.3f}; checkpoint in {distiller.out}")
+    out.print(finished_line(record, distiller.out, stage=True))
     return 0
 
 

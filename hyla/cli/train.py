@@ -23,6 +23,7 @@ from hyla.cli.common import (
     PRESETS_HELP,
     add_sampling,
     all_cores,
+    finished_line,
     format_bytes,
     format_seconds,
     generate_text,
@@ -196,8 +197,7 @@ def cmd_train(args: argparse.Namespace, out: Console) -> int:
     say(f"training [bold]{trainer.cfg.preset}[/] "
         f"({trainer.model.num_parameters():,} parameters{parallel}) -> {trainer.out}")
     record = trainer.fit(progress=not args.no_progress)
-    say(f"step {record['step']}: validation loss {record.get('val_loss', float('nan')):.3f}"
-        f"; checkpoint in {trainer.out}")
+    say(finished_line(record, trainer.out))
     return 0
 
 

@@ -14,6 +14,7 @@ schedules, data position, RNG state), so a resumed run reproduces the uninterrup
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 import time
 from collections.abc import Callable, Iterator
@@ -202,6 +203,14 @@ class Loop:
                 start = time.perf_counter()
                 metrics = self.train_step()
                 seconds = time.perf_counter() - start
+                if not math.isfinite(metrics["loss"]):
+                    # diverged: this step's weights are NaN or inf, and saving them would make
+                    # them the run's newest checkpoint (every rank sees the same mean loss)
+                    raise ValueError(
+                        f"step {self.step}: the training loss is {metrics['loss']} (the run "
+                        f"diverged); this step is not saved, the run's newest checkpoint is "
+                        f"kept: lower the learning rate or set --clip, then --resume "
+                        f"{self.out}")
                 record = {**stage.tags, "step": self.step, **metrics, "lr": lr,
                           "tokens": stage.tokens_before
                           + (self.step - stage.start) * stage.tokens_per_step,
