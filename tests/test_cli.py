@@ -197,8 +197,16 @@ def test_a_new_run_never_overwrites_one_already_saved(capsys, tmp_path):
     saved = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
     for command in (argv, ["distill", "--teacher", str(run_dir), "--stage1-steps", "1"]):
         code, out, err = run(capsys, *command[:1], *command[1:], "--out", str(run_dir))
-        assert code != 0 and "already holds a run" in err and "--resume" in err, err
+        assert code != 0 and "already holds a training run" in err and "--resume" in err, err
+    code, _, err = run(capsys, "export", str(run_dir), str(run_dir), "--format", "fla")
+    assert code != 0 and "already holds a training run" in err, err
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == saved
+    exported = tmp_path / "exported"
+    assert run(capsys, "export", str(run_dir), str(exported), "--format", "fla")[0] == 0
+    code, _, err = run(capsys, "export", str(run_dir), str(exported), "--format", "fla")
+    assert code != 0 and "--overwrite" in err
+    assert run(capsys, "export", str(run_dir), str(exported), "--format", "fla",
+               "--overwrite")[0] == 0
     (tmp_path / "afile").write_text("hi")
     code, _, err = run(capsys, *argv, "--out", str(tmp_path / "afile"))
     assert code != 0 and str(tmp_path / "afile") in err and "Traceback" not in err

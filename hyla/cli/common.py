@@ -286,7 +286,7 @@ def finished_line(record: dict, out_dir, stage: bool = False) -> str:
             f"checkpoint in {out_dir}")
 
 
-def refuse_existing_run(out_dir, command: str) -> None:
+def refuse_existing_run(out_dir, command: str, hint: str = "") -> None:
     """ValueError when ``out_dir`` already holds a run (checkpoints, metrics): a new run
     there would overwrite its metrics and settings while its newer checkpoints stayed, and
     loading the directory would give the old model."""
@@ -297,8 +297,9 @@ def refuse_existing_run(out_dir, command: str) -> None:
                   if p.name.startswith("ckpt-") or p.name in ("metrics.jsonl", "run.json"))
     if held:
         shown = ", ".join(held[-3:]) + (", ..." if len(held) > 3 else "")
-        raise ValueError(f"--out {path} already holds a run ({shown}): continue it with "
-                         f"hyla {command} --resume {path}, or give another --out")
+        raise ValueError(f"{path} already holds a training run ({shown}): "
+                         + (hint or f"continue it with hyla {command} --resume {path}, or "
+                                    f"give another --out"))
 
 
 def train_quickstart(out: Console, *, preset: str = "small", steps: int = 120,

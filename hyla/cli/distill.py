@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import pathlib
 
 from rich.console import Console
 
@@ -137,6 +138,9 @@ def add_export(sub) -> argparse.ArgumentParser:
     p.add_argument("source", nargs="?", default=None, metavar="checkpoint",
                    help=f"the model: {SOURCE_HELP} (or --checkpoint)")
     p.add_argument("out", help="output directory (loads with transformers)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the model files of an export already in OUT (a training "
+                        "run's directory is refused either way)")
     p.add_argument("--checkpoint", default=None, help="the model, as the positional argument")
     p.set_defaults(func=cmd_export)
     return p
@@ -171,6 +175,12 @@ def cmd_export(args: argparse.Namespace, out: Console) -> int:
     if (args.source is None) == (args.checkpoint is None):
         raise ValueError("export needs the model once: hyla export SOURCE OUT or "
                          "hyla export --checkpoint SOURCE OUT")
+    refuse_existing_run(args.out, "export", hint="give another OUT")
+    held = [p.name for p in pathlib.Path(args.out).glob("*")
+            if p.name == "config.json" or p.suffix == ".safetensors"]
+    if held and not args.overwrite:
+        raise ValueError(f"{args.out} already holds a model ({', '.join(sorted(held)[:3])}): "
+                         f"--overwrite replaces it, or give another OUT")
     model, tok = load_source(args.checkpoint or args.source)
     if args.format == "fla":
         from hyla.model.formats.fla import export_fla
@@ -193,8 +203,6 @@ def cmd_export(args: argparse.Namespace, out: Console) -> int:
 def _holds_mtp(target) -> bool:
     """Whether an export's safetensors files hold any MTP tensor (``mtp.*``, MiMo's
     ``model.mtp.*``)."""
-    import pathlib
-
     from safetensors import safe_open
 
     for f in pathlib.Path(target).glob("*.safetensors"):
