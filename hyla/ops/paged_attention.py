@@ -2,9 +2,11 @@
 
 The engine keeps keys and values in blocks ``[blocks, block_size, H_kv, D]`` and each
 sequence's block table says which blocks are its. A decode step's query sees every row of its
-sequence, so the rows may be read in any order: :func:`kv_spans` turns a table into a few
-ranges of the flattened buffer (one, when the blocks are consecutive) and
-:func:`attend_spans` attends to them as views, with no gathered copy.
+sequence: :func:`kv_spans` turns a table into ranges of the flattened buffer, in the
+sequence's order (one, when the blocks are consecutive), and :func:`attend_spans` attends to
+one range as a view, with no gathered copy, and copies several into one first: where the
+blocks lie must not change the arithmetic (a greedy token at a near-tie once changed after a
+server's free blocks had been handed round once).
 
 :func:`paged_decode_attention` is the same as one op that ``torch.compile`` keeps whole
 (``hyla::paged_decode_attention``): a compiled decode step reads the cache in place too, and
@@ -43,38 +45,26 @@ def kv_spans(tables: list[list[int]], positions: list[int], block_size: int) -> 
     """Where each sequence's KV rows lie, for a decode step that reads them in place: the
     block and offset its new token's row goes to, and the row ranges (first row, rows) of
     the flattened paged buffer ``[blocks * block_size, ...]`` that hold its rows up to that
-    one. A single query attends to its rows in any order, so the full blocks are sorted and
-    merged where they touch, and the last block's rows join the range that ends where it
-    starts: blocks handed out of order (a prefix cache reusing freed ones, last freed first)
-    still read as a few views, not a gathered copy.
+    one, in the sequence's order (blocks that follow one another in the buffer too make
+    one range).
 
     Example:
         >>> kv_spans([[4, 5, 6], [0]], [40, 3], 16)
         ((6, 8, ((64, 41),)), (0, 3, ((0, 4),)))
-        >>> kv_spans([[9, 4, 5]], [40], 16)     # blocks 4, 5 (9 rows) and 9
-        ((5, 8, ((64, 25), (144, 16))),)
+        >>> kv_spans([[9, 4, 5]], [40], 16)     # block 9, then blocks 4, 5 (25 rows)
+        ((5, 8, ((144, 16), (64, 25))),)
     """
     out = []
     for table, pos in zip(tables, positions, strict=True):
         n = pos // block_size + 1
         last, tail = table[n - 1], pos % block_size + 1
-        first = table[0]
-        if last - first == n - 1 and table[:n] == list(range(first, last + 1)):
-            out.append((last, tail - 1, ((first * block_size, pos + 1),)))   # the usual case
-            continue
         ranges: list[list[int]] = []
-        for block in sorted(table[:n - 1]):
+        for i, block in enumerate(table[:n]):
+            rows = tail if i == n - 1 else block_size
             if ranges and sum(ranges[-1]) == block * block_size:
-                ranges[-1][1] += block_size
+                ranges[-1][1] += rows
             else:
-                ranges.append([block * block_size, block_size])
-        start = last * block_size
-        for r in ranges:
-            if sum(r) == start:
-                r[1] += tail
-                break
-        else:
-            ranges.append([start, tail])
+                ranges.append([block * block_size, rows])
         out.append((last, tail - 1, tuple((a, b) for a, b in ranges)))
     return tuple(out)
 
@@ -92,10 +82,13 @@ def attend_spans(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     for b in range(B):
         ks = [flat_k[first:first + rows] for first, rows in spans[b][2]]
         vs = [flat_v[first:first + rows] for first, rows in spans[b][2]]
-        k, v = ks[0], vs[0]
+        # several ranges: copied into one, in the sequence's order, so that the sums run
+        # as they would over one range (the same rows, wherever they lie, give the same
+        # output to the bit)
+        k, v = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks), torch.cat(vs))
         qb = q[b, 0] if q.dtype is k.dtype else q[b, 0].to(k.dtype)
-        if len(ks) > 1 or k.shape[0] >= LONG_SPAN_ROWS:
-            outs.append(attend_one_query(qb, ks, vs).view(h_kv, H // h_kv, -1))
+        if k.shape[0] >= LONG_SPAN_ROWS:
+            outs.append(attend_one_query(qb, [k], [v]).view(h_kv, H // h_kv, -1))
             continue
         # 4-D [1, Hkv, rows, D]: what the fused CPU kernel takes (3-D goes the slow way)
         outs.append(F.scaled_dot_product_attention(
