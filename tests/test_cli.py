@@ -217,6 +217,10 @@ def test_an_infinite_learning_rate_is_refused(capsys, tmp_path):
     code, _, err = run(capsys, "train", "--preset", "debug", "--steps", "1", "--lr", "inf",
                        "--out", str(tmp_path / "run"))
     assert code != 0 and "finite" in err and not list(tmp_path.glob("run/ckpt-*"))
+    for flags, needle in ((["--clip", "nan"], "clip"), (["--warmup-steps", "-1"], "warmup")):
+        code, _, err = run(capsys, "train", "--preset", "debug", "--steps", "1", *flags,
+                           "--out", str(tmp_path / "other"))
+        assert code != 0 and needle in err, err
 
 
 def test_a_diverged_run_stops_and_keeps_its_last_good_checkpoint(capsys, tmp_path):

@@ -95,6 +95,11 @@ class TrainConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if not 0 <= self.decay_fraction <= 1:
             raise ValueError(f"decay_fraction must be in [0, 1], got {self.decay_fraction}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.clip < float("inf"):      # NaN fails too; 0: no clipping
+            raise ValueError(f"clip must be a finite number >= 0 (0: no clipping), got "
+                             f"{self.clip}")
 
     @property
     def tokens_per_step(self) -> int:

@@ -110,6 +110,9 @@ class DistillConfig:
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 0, got "
                                  f"{getattr(self, name)}")
+        if not 0 <= self.clip < float("inf"):
+            raise ValueError(f"clip must be a finite number >= 0 (0: no clipping), got "
+                             f"{self.clip}")
         if self.stage1_steps == 0 and self.stage2_steps == 0:
             raise ValueError("stage1-steps + stage2-steps must be >= 1")
         if self.layer_ranking not in LAYER_RANKINGS:
