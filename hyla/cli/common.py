@@ -67,13 +67,13 @@ def positive(value: str) -> int:
 
 
 def positive_float(value: str) -> float:
-    """argparse type for a positive number."""
+    """argparse type for a positive finite number (inf once reached the simulator as NaN)."""
     try:
         v = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {value!r}")
     return v
 
 

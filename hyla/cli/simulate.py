@@ -148,6 +148,8 @@ def run_simulate(args: argparse.Namespace, progress=None) -> dict:
     from hyla.disagg.sim.traces import trace_path
 
     names = [n.strip() for n in args.deployments.split(",") if n.strip()]
+    if args.threshold < 1:      # before the deployments, which would name it otherwise
+        raise ValueError(f"--threshold must be >= 1 token, got {args.threshold}")
     deps = published_deployments(homo_prefill=args.homo_prefill,
                                  prfaas_prefill=args.prfaas_prefill,
                                  threshold=args.threshold, adapt=not args.static_threshold,
@@ -160,8 +162,6 @@ def run_simulate(args: argparse.Namespace, progress=None) -> dict:
                          f"{args.deployments!r}")
     if args.requests < 10:
         raise ValueError(f"--requests must be >= 10, got {args.requests}")
-    if args.threshold < 1:
-        raise ValueError(f"--threshold must be >= 1 token, got {args.threshold}")
     if args.trace is not None:
         try:
             trace_path(args.trace)

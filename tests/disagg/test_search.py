@@ -220,6 +220,14 @@ def test_cli_fits_the_h200_mfu_and_refuses_bad_search_flags(tmp_path, capsys, mo
                       (["--fit-h200-mfu", "1.2", "--rate", "1"], "--fit-h200-mfu"),
                       (["--fit-h200-mfu", "1.2", "--deployments", "naive,prfaas"],
                        "--fit-h200-mfu"),
-                      (["--fit-h200-mfu", "-1"], "--fit-h200-mfu")):
+                      (["--fit-h200-mfu", "-1"], "--fit-h200-mfu"),
+                      # a newcomer's: NaN from inf, the threshold named by its deployments,
+                      # a binary file's decode error
+                      (["--rate", "inf"], "finite"),
+                      (["--threshold", "-5", "--no-search"], "--threshold")):
         assert main(["simulate", "--requests", "10", *bad]) == 2
         assert word in capsys.readouterr().err
+    blob = tmp_path / "model.gguf"
+    blob.write_bytes(b"GGUF\x8e\xff\x00" * 100)
+    assert main(["simulate", "--requests", "10", "--profile", str(blob)]) == 2
+    assert "is not JSON" in capsys.readouterr().err

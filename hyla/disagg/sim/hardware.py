@@ -262,7 +262,13 @@ def load_measured_profile(path: str | pathlib.Path) -> InstanceProfile:
          "step_overhead_s": 0.0,                       # optional
          "mem_gb": 16.0}                               # optional, memory for KV/state
     """
-    data = json.loads(pathlib.Path(path).read_text())
+    try:
+        data = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:     # a GGUF, a binary: not a profile
+        raise ValueError(f"measured profile {path} is not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"measured profile {path} must be a JSON object, got "
+                         f"{type(data).__name__}")
     for key in ("prefill_tok_s", "decode_step_s"):
         if key not in data:
             raise ValueError(f"measured profile {path} lacks {key!r}")
