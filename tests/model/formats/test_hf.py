@@ -134,7 +134,13 @@ def _edit_config(path, **changes):
     ({"head_dim": 32},
      r"model.layers.0.self_attn.q_proj.weight \(hyla's blocks.0.mixer.q_proj.weight\) has"),
     ({"vocab_size": 200}, "has shape"),
-], ids=["arch", "act", "rope", "rope-params", "head_dim", "vocab"])
+    # a newcomer's config.json: int()'s "invalid literal ... 'big'" named neither
+    ({"hidden_size": "big"}, "hidden_size must be an int >= 1, got 'big'"),
+    ({"num_hidden_layers": -3}, "num_hidden_layers must be an int >= 1, got -3"),
+    ({"vocab_size": None}, "vocab_size must be an int >= 1, got None"),
+    ({"num_key_value_heads": 1.5}, "num_key_value_heads must be an int"),
+], ids=["arch", "act", "rope", "rope-params", "head_dim", "vocab", "str-width",
+        "negative-layers", "null-vocab", "float-heads"])
 def test_bad_config(tmp_path, bpe, changes, match):
     path, _ = _hf_dir(tmp_path, "llama", bpe)
     _edit_config(path, **changes)

@@ -59,6 +59,26 @@ def is_hf_directory(path: str | os.PathLike) -> bool:
         return False
 
 
+def count_field(hf: dict, key: str, source: str, kind: str) -> int:
+    """``hf[key]`` as a count (an int >= 1; 4096.0 taken as 4096), or a ValueError naming
+    the file and the field (not ``int()``'s "invalid literal ... 'big'").
+
+    Example:
+        >>> count_field({"hidden_size": "big"}, "hidden_size", "m/config.json", "llama")
+        Traceback (most recent call last):
+        ...
+        ValueError: m/config.json: hidden_size must be an int >= 1, got 'big'
+    """
+    if key not in hf:
+        raise ValueError(f"{source} has no {key!r}: expected a complete {kind} config")
+    value = hf[key]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{source}: {key} must be an int >= 1, got {value!r}")
+    return value
+
+
 def hf_config_to_hyla(hf: dict, source: str = "config.json") -> HylaConfig:
     """Translate a transformers config dict into an all-attention :class:`HylaConfig`.
 
@@ -74,21 +94,19 @@ def hf_config_to_hyla(hf: dict, source: str = "config.json") -> HylaConfig:
         raise ValueError(f"{source}: model_type {kind!r} is not supported: expected one of "
                          f"{sorted(ARCHITECTURES)} (standard GQA attention, rotary, SwiGLU, "
                          f"RMSNorm)")
-    try:
-        d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        n_layers, ffn = int(hf["num_hidden_layers"]), int(hf["intermediate_size"])
-        vocab = int(hf["vocab_size"])
-    except KeyError as e:
-        raise ValueError(f"{source} has no {e.args[0]!r}: expected a complete {kind} "
-                         f"config") from None
-    kv = int(hf.get("num_key_value_heads") or heads)
+    d, heads, n_layers, ffn, vocab = (
+        count_field(hf, key, source, kind) for key in (
+            "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
+            "vocab_size"))
+    kv = count_field(hf, "num_key_value_heads", source, kind) if hf.get(
+        "num_key_value_heads") is not None else heads
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(f"{source}: hidden_act {act!r} is not supported: expected 'silu' "
                          f"(SwiGLU)")
     if hf.get("mlp_bias"):
         raise ValueError(f"{source}: mlp_bias=true is not supported: hyla's SwiGLU has no bias")
-    head_dim = int(hf.get("head_dim") or d // heads)
+    head_dim = count_field(hf, "head_dim", source, kind) if hf.get("head_dim") else d // heads
     theta, scaling = rope_from_hf_config(hf, source)
     bias = bool(hf.get("attention_bias", False))
     return HylaConfig(vocab_size=vocab, d_model=d, layers="A" * n_layers, n_heads=heads,
