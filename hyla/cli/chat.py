@@ -258,7 +258,8 @@ def read_schema(path: str):
     schema may hold (so ``/dev/zero`` is refused, not read), UTF-8 with or without a BOM."""
     import json
 
-    from hyla.serve.sequence import MAX_GRAMMAR_CHARS
+    from hyla.serve.sequence import MAX_GRAMMAR_CHARS, GrammarSpec
+    from hyla.serve.structured import check_grammar
 
     try:
         with open(path, "rb") as f:
@@ -266,7 +267,11 @@ def read_schema(path: str):
         if len(raw) > 4 * MAX_GRAMMAR_CHARS:
             raise ValueError(f"larger than {4 * MAX_GRAMMAR_CHARS} bytes: a schema holds at "
                              f"most {MAX_GRAMMAR_CHARS} characters")
-        return json.loads(raw.decode("utf-8-sig"))
+        schema = json.loads(raw.decode("utf-8-sig"))
+        # what the grammar makes of it, now: a bad schema once failed after the model had
+        # loaded and the user had typed
+        check_grammar(GrammarSpec("json_schema", json.dumps(schema)))
+        return schema
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         what = "nested too deeply" if isinstance(e, RecursionError) else e
         raise ValueError(f"--json-schema {path}: {what}") from None

@@ -84,7 +84,7 @@ class GrammarCompiler:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
                 return self._cache[spec]
-        template = self._ll.LLMatcher(self.tokenizer, self._build(spec), log_level=0)
+        template = self._ll.LLMatcher(self.tokenizer, build_grammar(spec), log_level=0)
         # a grammar whose first step already exceeds the parser's limits fails here, not
         # at the request's first token
         probe = template.deep_copy()
@@ -106,31 +106,45 @@ class GrammarCompiler:
         compiled one."""
         return self.compile(spec).deep_copy()
 
-    def _build(self, spec: GrammarSpec) -> str:
-        ll, text = self._ll, spec.source
-        if spec.kind == "json_schema":
-            schema = closed(parse_schema(text))
-            return ll.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-        if spec.kind == "regex":
-            return ll.LLMatcher.grammar_from_regex(text)
-        if spec.kind == "lark":
-            return ll.LLMatcher.grammar_from_lark(text)
-        if spec.kind == "choice":
-            try:
-                choices = json.loads(text)
-            except json.JSONDecodeError:
-                choices = None
-            if not isinstance(choices, list) or not choices or not all(
-                    isinstance(c, str) and c for c in choices):
-                raise ValueError("the list of choices is invalid: expected a JSON list of "
-                                 "non-empty strings")
-            if len(choices) > MAX_CHOICES:
-                raise ValueError(f"the list of choices is too long: {len(choices)}, at most "
-                                 f"{MAX_CHOICES} (a JSON schema enum takes more)")
+
+def check_grammar(spec: GrammarSpec) -> None:
+    """ValueError naming what is wrong with ``spec``, before any model or tokenizer is at
+    hand (``hyla chat --json-schema`` checks its file before loading the model)."""
+    import llguidance
+
+    error = llguidance.LLMatcher.validate_grammar(build_grammar(spec), None)
+    if error:
+        raise ValueError(f"the {_noun(spec)} is invalid: {error.strip().splitlines()[0][:300]}")
+
+
+def build_grammar(spec: GrammarSpec) -> str:
+    """llguidance's grammar for ``spec`` (ValueError when it cannot be one)."""
+    import llguidance as ll
+
+    text = spec.source
+    if spec.kind == "json_schema":
+        schema = closed(parse_schema(text))
+        return ll.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    if spec.kind == "regex":
+        return ll.LLMatcher.grammar_from_regex(text)
+    if spec.kind == "lark":
+        return ll.LLMatcher.grammar_from_lark(text)
+    if spec.kind == "choice":
         try:
-            return ll.grammar_from(spec.kind, text)        # "grammar" (GBNF or Lark), "choice"
-        except ValueError as e:
-            raise ValueError(f"the {_noun(spec)} is invalid: {e}") from None
+            choices = json.loads(text)
+        except json.JSONDecodeError:
+            choices = None
+        if not isinstance(choices, list) or not choices or not all(
+                isinstance(c, str) and c for c in choices):
+            raise ValueError("the list of choices is invalid: expected a JSON list of "
+                             "non-empty strings")
+        if len(choices) > MAX_CHOICES:
+            raise ValueError(f"the list of choices is too long: {len(choices)}, at most "
+                             f"{MAX_CHOICES} (a JSON schema enum takes more)")
+    try:
+        return ll.grammar_from(spec.kind, text)        # "grammar" (GBNF or Lark), "choice"
+    except ValueError as e:
+        raise ValueError(f"the {_noun(spec)} is invalid: {e}") from None
 
 
 def _noun(spec: GrammarSpec) -> str:

@@ -292,6 +292,12 @@ def test_chat_json_schema_python_api_and_cli(tmp_path, capsys):
     assert "recursive without a base case" in capsys.readouterr().err
     assert main(["chat", "--preset", "debug", "--json-schema", "/dev/zero"]) == 2   # unbounded
     assert "larger than" in capsys.readouterr().err
+    # checked before the model loads (it once failed after, when the user had typed): a
+    # checkpoint that does not exist is never reached
+    bad.write_text('{"type": 12}')
+    assert main(["chat", "--checkpoint", str(tmp_path / "none"), "--json-schema",
+                 str(bad)]) == 2
+    assert "type must be a string" in capsys.readouterr().err
     bad.write_bytes(b"\xef\xbb\xbf" + json.dumps(schema).encode())     # a BOM: fine
     from hyla.cli.chat import read_schema
     assert read_schema(str(bad)) == schema
