@@ -241,3 +241,16 @@ def test_a_diverged_run_stops_and_keeps_its_last_good_checkpoint(capsys, tmp_pat
     assert run(capsys, *argv[:-1], str(good), "--steps", "1")[0] == 0
     code, out, _ = run(capsys, "train", "--resume", str(good), "--no-progress")
     assert code == 0 and "already complete" in out and "nan" not in out
+
+
+def test_no_tokens_timed_says_no_rate():
+    """--max-tokens 0 printed "prompt 6 tokens at inf tok/s" (a newcomer's)."""
+    from hyla.cli.chat import turn_line
+    from hyla.cli.common import speed_line
+    from hyla.model.stream import StreamTiming
+
+    assert speed_line(1.0, StreamTiming(prompt_tokens=6)) == (
+        "load 1.00 s, prompt 6 tokens, decode 0 tokens")
+    line = turn_line({"history": 0, "fed": 31, "new": 0, "reread": True,
+                      "timing": StreamTiming(prompt_tokens=31)})
+    assert "inf" not in line and "nan" not in line

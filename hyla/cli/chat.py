@@ -289,7 +289,8 @@ def turn_line(last: dict) -> str:
     t = last["timing"]
     rate = t.decode_tok_s
     head = f"{last['new']} tokens" + (f" at {rate:.1f} tok/s" if rate == rate else "")
-    read = f"read {last['fed']} new tokens at {t.prompt_tok_s:.0f} tok/s"
+    fed = t.prompt_tok_s
+    read = f"read {last['fed']} new tokens" + (f" at {fed:.0f} tok/s" if fed == fed else "")
     if last["reread"] and last["history"] == 0 and last["fed"]:
         return f"{head}; {read}"
     if last["reread"]:

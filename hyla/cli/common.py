@@ -224,7 +224,9 @@ def speed_line(load_s: float | None, timing) -> str:
         'load 1.50 s, prompt 10 tokens at 20.0 tok/s, decode 11 tokens at 5.0 tok/s'
     """
     parts = [] if load_s is None else [f"load {load_s:.2f} s"]
-    parts.append(f"prompt {timing.prompt_tokens} tokens at {timing.prompt_tok_s:.1f} tok/s")
+    prompt = timing.prompt_tok_s
+    parts.append(f"prompt {timing.prompt_tokens} tokens"
+                 + (f" at {prompt:.1f} tok/s" if prompt == prompt else ""))
     rate = timing.decode_tok_s
     parts.append(f"decode {timing.new_tokens} tokens" +
                  (f" at {rate:.1f} tok/s" if rate == rate else ""))

@@ -54,7 +54,8 @@ class StreamTiming:
 
     @property
     def prompt_tok_s(self) -> float:
-        return self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else float("inf")
+        # NaN when nothing was timed (--max-tokens 0 once printed "at inf tok/s")
+        return self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else float("nan")
 
     @property
     def decode_tok_s(self) -> float:
