@@ -42,9 +42,10 @@ def add_memory(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("memory", help="per-sequence state of a hybrid vs an all-attention KV cache")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--preset", help=PRESETS_HELP)
-    which.add_argument("--checkpoint", metavar="DIR|CONFIG.json",
-                       help="a model directory (hyla, transformers, fla) or its config.json: "
-                            "only the config is read, the model is sized on the meta device")
+    which.add_argument("--checkpoint", metavar="SOURCE",
+                       help="a model directory (hyla, transformers, fla), its config.json, a "
+                            ".gguf file or a model name (hyla models): only the config (a "
+                            "GGUF's metadata) is read, the model is sized on the meta device")
     p.add_argument("--context", type=context, help="tokens, e.g. 8192 or 8K (required "
                    "unless --train)")
     p.add_argument("--budget-gib", type=float, default=DEFAULT_BUDGET_GIB,

