@@ -47,6 +47,18 @@ def test_every_flag_has_help():
     assert not missing, f"{len(missing)} flags without help: {missing}"
 
 
+def test_no_help_only_repeats_the_flag_name():
+    """A newcomer found about 20 of train's flags described by their own name ("--clip
+    CLIP  clip (default: 1.0)")."""
+    bare = []
+    for command, action in flags():
+        words = (action.help or "").split(" (default")[0].strip().lower()
+        if action.option_strings and words in (action.dest.replace("_", " "),
+                                               action.dest.replace("_", "-")):
+            bare.append(name(command, action))
+    assert not bare, f"{len(bare)} flags whose help is their name: {bare}"
+
+
 def test_every_flag_with_a_default_shows_it():
     hidden = []
     for command, action in flags():

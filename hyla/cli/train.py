@@ -76,6 +76,42 @@ HELP = {
     "sync_timeout": "seconds a collective may wait before a silent rank is named",
     "device": "cpu, or cuda (each rank on cuda:LOCAL_RANK)",
     "preset": f"model size ({PRESETS_HELP})",
+    # the single-process flags (a newcomer found "--layers LAYERS  layers": the name again)
+    "layers": "the layer pattern instead of the preset's, one letter a layer (A attention, "
+              "G GLA, D gated delta, K KDA, M MLA, S Mamba-2, C short conv, P parallel "
+              "hybrid), e.g. GGGA",
+    "init": "start from this model (a name, directory or .gguf): its config, weights and "
+            "tokenizer replace the preset's",
+    "data": "training text: a text file, a folder of text files, a .jsonl file (a text "
+            "field) or a .parquet file (a text column); default: the embedded Python "
+            "standard library source",
+    "out": "the run's directory (checkpoints, metrics.jsonl, run.json, tokenizer.json); one "
+           "that already holds a run is refused unless --resume",
+    "steps": "optimizer steps",
+    "seq_len": "tokens a training block",
+    "batch_size": "blocks a micro-batch",
+    "shuffle_buffer": "blocks mixed at once before batching (0: file order only)",
+    "grad_accum": "micro-batches a step (gradients accumulated)",
+    "optimizer": "muon (Muon on 2-D hidden weights, AdamW on the rest) or adamw",
+    "lr": "AdamW's learning rate (Muon's AdamW-side parameters too)",
+    "muon_lr": "Muon's learning rate",
+    "muon_strategy": "multi-process runs: how the sharded Muon shares matrices",
+    "weight_decay": "decoupled weight decay",
+    "warmup_steps": "steps of linear warm-up",
+    "decay_fraction": "the last fraction of steps that decays the rate to 0 "
+                      "(warmup-stable-decay)",
+    "clip": "gradient norm clipping (0: none)",
+    "precision": "fp32, or bf16 (autocast: fast on GPUs and AMX CPUs, slow elsewhere)",
+    "activation_checkpointing": "recompute each block's activations in backward (less "
+                                "memory, more compute)",
+    "offload_activations": "keep saved activations in CPU memory (GPU runs)",
+    "save_every": "steps between checkpoints",
+    "keep_last": "checkpoints kept (older ones are deleted)",
+    "eval_every": "steps between validation passes (0: only at the end)",
+    "eval_batches": "validation batches a pass",
+    "seed": "random seed (weights, data order)",
+    "vocab_size": "the BPE vocabulary trained for the run (not with --init)",
+    "tokenizer_documents": "training documents the BPE learns from",
 }
 
 
