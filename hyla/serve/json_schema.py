@@ -22,8 +22,12 @@ _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "depe
 def parse_schema(text: str) -> dict:
     """A JSON schema from its text: ValueError unless it is a JSON object that some finite
     JSON value can satisfy (:func:`has_finite_instance`)."""
+    def not_a_number(name: str):
+        # NaN and Infinity are Python's json extensions; a request's 1e400 arrives as one
+        raise ValueError(f"the JSON schema holds {name}: a JSON number is finite (a huge one "
+                         f"such as 1e400 overflows to Infinity)")
     try:
-        schema = json.loads(text)
+        schema = json.loads(text, parse_constant=not_a_number)
     except json.JSONDecodeError as e:
         raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
     except RecursionError:
