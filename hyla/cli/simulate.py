@@ -48,8 +48,9 @@ def add_simulate(sub) -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=1600,
                    help="requests a run, at least (default 1,600: with --seeds 5 the published "
                         "setup's ratios come within +-5%% at 95%%; a 5-seed search takes about "
-                        "40 minutes of one core. A quick look: --requests 400 --seeds 1 --min-duration 0, "
-                        "about 2 minutes; a fixed --rate runs once, in seconds)")
+                        "40 minutes of one core. A quick look: --requests 400 --seeds 1 "
+                        "--min-duration 0, about 2 minutes; a fixed --rate runs once, in "
+                        "seconds)")
     p.add_argument("--min-duration", type=float, default=480.0, metavar="S",
                    help="capacity search: a run has at least rate * S requests, so that its "
                         "queues reach steady state (default 480 s)")
