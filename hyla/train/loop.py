@@ -186,6 +186,20 @@ class Loop:
             return guarded_save(save_dcp_checkpoint, self, target)
         return save_train_checkpoint(self, target)
 
+    def _weights_finite(self) -> bool:
+        """Whether every rank's parameters (its shards) are finite: checked before a save,
+        since a loss can still be finite on the step whose update overflowed."""
+        bad = any(not bool(torch.isfinite(getattr(p, "to_local", lambda p=p: p)()).all())
+                  for p in self.model.parameters())
+        return process_group.mean_over_ranks(float(bad), self.world) == 0
+
+    def _diverged(self, what: str) -> ValueError:
+        """The error that ends a diverged run before its bad weights are saved: they would
+        become its newest checkpoint (a NaN run once saved them and went on)."""
+        return ValueError(f"step {self.step}: {what} (the run diverged); this step is not "
+                          f"saved and the run's newest checkpoint is kept: lower the learning "
+                          f"rate or set --clip, then --resume {self.out}")
+
     def fit(self, until: int | None = None, progress: bool = True) -> dict:
         """Train to the run's last step (or to global step ``until``); returns the last
         metrics record (with ``val_loss`` where the run ends a stage)."""
@@ -204,13 +218,8 @@ class Loop:
                 metrics = self.train_step()
                 seconds = time.perf_counter() - start
                 if not math.isfinite(metrics["loss"]):
-                    # diverged: this step's weights are NaN or inf, and saving them would make
-                    # them the run's newest checkpoint (every rank sees the same mean loss)
-                    raise ValueError(
-                        f"step {self.step}: the training loss is {metrics['loss']} (the run "
-                        f"diverged); this step is not saved, the run's newest checkpoint is "
-                        f"kept: lower the learning rate or set --clip, then --resume "
-                        f"{self.out}")
+                    # every rank sees the same mean loss: all stop here
+                    raise self._diverged(f"the training loss is {metrics['loss']}")
                 record = {**stage.tags, "step": self.step, **metrics, "lr": lr,
                           "tokens": stage.tokens_before
                           + (self.step - stage.start) * stage.tokens_per_step,
@@ -224,6 +233,8 @@ class Loop:
                 self.metrics.write(record)
                 bar.update(self.step, record, stage.label)
                 if self.step % self.cfg.save_every == 0 or stage_end or self.step == end:
+                    if not self._weights_finite():
+                        raise self._diverged("a weight is NaN or infinite")
                     self.save()
                 if stage_end and stage.then is not None:
                     self.stage = stage.then() or stage

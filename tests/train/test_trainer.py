@@ -90,3 +90,23 @@ def test_layers_override_trains_an_all_attention_model(tmp_path):
     trainer.fit(progress=False)
     with pytest.raises(ValueError, match="layers"):
         Trainer(tiny(tmp_path / "bad", layers="GXA"))
+
+
+def test_an_overflowed_weight_is_never_saved(tmp_path, monkeypatch):
+    """A step whose update overflowed a weight while its loss (taken before the update)
+    was finite: the run stops before saving it, and the last good checkpoint stays."""
+    from hyla.train.loop import Loop
+
+    real = Loop.train_step
+
+    def overflowing(self):
+        record = real(self)
+        if self.step == 4:
+            with torch.no_grad():
+                next(self.model.parameters()).view(-1)[0] = float("inf")
+        return record
+    monkeypatch.setattr(Loop, "train_step", overflowing)
+    trainer = Trainer(tiny(tmp_path / "run", save_every=2))
+    with pytest.raises(ValueError, match="step 4: a weight is NaN or infinite"):
+        trainer.fit(progress=False)
+    assert sorted(p.name for p in (tmp_path / "run").glob("ckpt-*")) == ["ckpt-000002"]
