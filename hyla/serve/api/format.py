@@ -10,6 +10,7 @@ no choices carries the usage.
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import time
@@ -97,6 +98,10 @@ class Echo:
     token_ids: list[int]
 
 
+def _utf8_decoder():
+    return codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+
 class Formatter:
     """Builds the bodies and chunks of one request (``chat`` or completion).
 
@@ -116,30 +121,20 @@ class Formatter:
         self.logprobs, self.include_usage = logprobs, include_usage
         self.created = int(time.time())
         self.offset = self._offset0 = text_offset   # completions' text_offset counts from here
-        self._pending = b""     # bytes of a character that a later token completes
+        self._utf8 = _utf8_decoder()    # bytes of a character a later token completes
         self.echo = echo
 
     def _token(self, t: int) -> str:
         return token_text(self.tok, t)
 
     def _advance(self, t: int) -> int:
-        """Token ``t``'s text offset; moves ``self.offset`` past its characters. Part of a
-        character waits in ``self._pending`` until the token that completes it."""
+        """Token ``t``'s text offset; moves ``self.offset`` past the characters its bytes
+        complete. The bytes of a character that a later token completes wait in
+        ``self._utf8`` (an incremental decoder: a token may end, or begin, mid-character)."""
         at, text = self.offset, self.tok.decode([t])
-        if is_partial(text):
-            self._pending += token_bytes(self.tok, t, text)
-            try:
-                self.offset += len(self._pending.decode("utf-8"))
-            except UnicodeDecodeError:
-                if len(self._pending) < 4:      # a character is at most 4 bytes
-                    return at
-                self.offset += len(self._pending.decode("utf-8", errors="replace"))
-            self._pending = b""
-            return at
-        if self._pending:           # an unfinished character: one U+FFFD in the text
-            self.offset += len(self._pending.decode("utf-8", errors="replace"))
-            self._pending, at = b"", self.offset
-        self.offset += len(text)
+        raw = token_bytes(self.tok, t, text) if is_partial(text) else text.encode(
+            "utf-8", errors="surrogatepass")
+        self.offset += len(self._utf8.decode(raw))
         return at
 
     def _prompt_entries(self, echo: Echo, plps: list | None) -> dict:
@@ -203,7 +198,7 @@ class Formatter:
                 choice["message"] = {"role": "assistant", "content": res.text}
             else:
                 choice["text"] = (echo.text if echo else "") + res.text
-            self.offset, self._pending = self._offset0, b""
+            self.offset, self._utf8 = self._offset0, _utf8_decoder()
             choice["logprobs"] = self.format_logprobs(res.logprobs, echo, res.prompt_logprobs)
             choice["finish_reason"] = finish
             choices.append(choice)
