@@ -300,8 +300,8 @@ def refuse_existing_run(out_dir, command: str, hint: str = "") -> None:
     if held:
         shown = ", ".join(held[-3:]) + (", ..." if len(held) > 3 else "")
         raise ValueError(f"{path} already holds a training run ({shown}): "
-                         + (hint or f"continue it with hyla {command} --resume {path}, or "
-                                    f"give another --out"))
+                         + (hint or f"continue it with hyla {command} --resume {path} if "
+                                    f"{command} wrote it, or give another --out"))
 
 
 def train_quickstart(out: Console, *, preset: str = "small", steps: int = 120,

@@ -95,6 +95,10 @@ class TrainConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if not 0 <= self.decay_fraction <= 1:
             raise ValueError(f"decay_fraction must be in [0, 1], got {self.decay_fraction}")
+        for name in ("lr", "muon_lr", "weight_decay"):     # before any work (a tokenizer)
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"{name.replace('_', '-')} must be a finite number >= 0, got "
+                                 f"{getattr(self, name)}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.clip < float("inf"):      # NaN fails too; 0: no clipping

@@ -171,8 +171,10 @@ class Trainer:
     def fit(self, progress: bool = True) -> dict:
         """Train to ``cfg.steps``, then write ``run.json`` (collective); returns the last
         metrics record (with ``val_loss``)."""
+        before = self.loop.step
         record = self.strategy.fit(self.loop, progress)
-        self.write_run_json()
+        if self.loop.step != before:    # a finished run resumed: its run.json stays as it was
+            self.write_run_json()
         return record
 
     def write_run_json(self) -> None:

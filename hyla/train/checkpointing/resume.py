@@ -20,6 +20,10 @@ RESUME_FIXED = ("preset", "seq_len", "batch_size", "grad_accum", "optimizer", "s
                 "vocab_size", "data")
 
 
+class _ForeignRun(Exception):
+    """A checkpoint whose settings are another command's."""
+
+
 def load_train_state(run_dir: pathlib.Path, cfg=None, *, config_type: type = TrainConfig,
                      command: str = "hyla train", fixed: tuple[str, ...] = RESUME_FIXED) -> dict:
     """The newest complete checkpoint of a run (``hyla train`` or ``hyla distill``), as a dict:
@@ -60,8 +64,17 @@ def load_train_state(run_dir: pathlib.Path, cfg=None, *, config_type: type = Tra
                 state["dcp"] = ckpt / DCP
             else:
                 state["model"] = load_file(str(ckpt / "model.safetensors"))
-            saved = config_type(**state["cfg"])
+            try:
+                saved = config_type(**state["cfg"])
+            except TypeError:
+                raise _ForeignRun(ckpt) from None
             break
+        except _ForeignRun:
+            # settings another command writes (a train run resumed by distill): not corrupt,
+            # so no older checkpoint would do either (it once said "unusable: TypeError")
+            raise ValueError(f"{ckpt} is not a checkpoint of {command}: its settings are "
+                             f"another command's; resume it with the command that wrote it, "
+                             f"or give {command} another --out") from None
         except Exception as e:  # noqa: BLE001 - truncated or corrupt: try the one before
             skipped.append(f"{ckpt.name} ({type(e).__name__}: {str(e)[:120]})")
     else:
