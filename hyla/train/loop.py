@@ -197,8 +197,10 @@ class Loop:
         """The error that ends a diverged run before its bad weights are saved: they would
         become its newest checkpoint (a NaN run once saved them and went on)."""
         return ValueError(f"step {self.step}: {what} (the run diverged); this step is not "
-                          f"saved and the run's newest checkpoint is kept: lower the learning "
-                          f"rate or set --clip, then --resume {self.out}")
+                          f"saved and the run's checkpoints are kept (the newest may already "
+                          f"hold weights too large to use: if it fails, remove it and resume "
+                          f"from the one before): lower the learning rate or set --clip, then "
+                          f"--resume {self.out}")
 
     def fit(self, until: int | None = None, progress: bool = True) -> dict:
         """Train to the run's last step (or to global step ``until``); returns the last

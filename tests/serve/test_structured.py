@@ -166,6 +166,16 @@ def test_tool_calls_split_and_stream_at_every_cut():
     assert s.feed("<tool_call>\n{broken") == [] and s.flush() == "<tool_call>\n{broken"
 
 
+def test_no_newline_after_a_streamed_call_becomes_content():
+    """The newline after a call's closing tag, arriving in the next piece, was streamed as
+    content ("\n") where the whole response has none (the re-test's)."""
+    s = ToolStream()
+    events = s.feed('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>')
+    events += s.feed("\n") + s.feed("\n")
+    assert [k for k, _ in events] == ["call"] and s.flush() == ""
+    assert s.feed("\nthen text") == [("content", "then text")]
+
+
 def test_a_tool_argument_may_hold_the_closing_tag():
     """An argument whose text holds ``</tool_call>`` (code, or injected text) is part of
     the call; the tag ends the block only outside JSON strings (found by a hostile client:

@@ -278,10 +278,16 @@ class ToolStream:
     def __init__(self):
         self._buf = ""
         self.calls: list[dict] = []
+        # after a call, the newlines that follow it are not content (split_calls drops them
+        # too); they may come in a later piece than the call's closing tag
+        self._after_call = False
 
     def feed(self, text: str) -> list[tuple[str, object]]:
         """Events ``("content", str)`` and ``("call", name)`` (the call in :attr:`calls`)."""
         self._buf += text
+        if self._after_call:
+            self._buf = self._buf.lstrip("\n")
+            self._after_call = not self._buf
         events = []
         while self._buf:
             start = self._buf.find(OPEN)
@@ -306,6 +312,7 @@ class ToolStream:
                 events.append(("call", call["function"]["name"]))
             self._buf = self._buf[end + len(CLOSE):].lstrip("\n") if call else \
                 self._buf[end + len(CLOSE):]
+            self._after_call = call is not None and not self._buf
         return events
 
     def flush(self) -> str:
