@@ -233,7 +233,7 @@ def test_a_diverged_run_stops_and_keeps_its_last_good_checkpoint(capsys, tmp_pat
             "--no-progress", "--vocab-size", "300", "--tokenizer-documents", "5",
             "--save-every", "1", "--out", str(tmp_path / "run")]
     code, _, err = run(capsys, *argv, "--steps", "4", "--lr", "1e30", "--muon-lr", "1e30")
-    assert code != 0 and "diverged" in err and "--resume" in err, err
+    assert code != 0 and "diverged" in err and "--init" in err, err
     saved = sorted(p.name for p in (tmp_path / "run").glob("ckpt-*"))
     assert saved and all(p.name.startswith("ckpt-") for p in (tmp_path / "run").iterdir()
                          if p.is_dir())

@@ -199,8 +199,8 @@ class Loop:
         return ValueError(f"step {self.step}: {what} (the run diverged); this step is not "
                           f"saved and the run's checkpoints are kept (the newest may already "
                           f"hold weights too large to use: if it fails, remove it and resume "
-                          f"from the one before): lower the learning rate or set --clip, then "
-                          f"--resume {self.out}")
+                          f"from the one before); a new run with a lower learning rate or "
+                          f"--clip can start from a good one with --init")
 
     def fit(self, until: int | None = None, progress: bool = True) -> dict:
         """Train to the run's last step (or to global step ``until``); returns the last
