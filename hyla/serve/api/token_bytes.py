@@ -14,17 +14,17 @@ Example:
 from __future__ import annotations
 
 import threading
-import weakref
 
 _LOCK = threading.Lock()
-_BYTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# by id, the tokenizer kept with it (a server has one; any object serves as a key this way)
+_BYTES: dict[int, tuple[object, object]] = {}
 
 
 def _decoder(tok):
     """The tokenizer's ``ids -> bytes`` (llguidance's), or None where it cannot take it."""
     with _LOCK:
-        if tok in _BYTES:
-            return _BYTES[tok]
+        if id(tok) in _BYTES:
+            return _BYTES[id(tok)][1]
         try:
             import llguidance
 
@@ -34,7 +34,7 @@ def _decoder(tok):
             fn = ll.decode_bytes
         except Exception:  # noqa: BLE001 - another kind of tokenizer: its text's bytes
             fn = None
-        _BYTES[tok] = fn
+        _BYTES[id(tok)] = (tok, fn)
         return fn
 
 
