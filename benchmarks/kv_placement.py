@@ -5,7 +5,8 @@ One sequence's decode attention over 30 layers, SmolLM2-135M's shape (9 query he
 heads of 64, bf16 cache, blocks of 16), eager, one thread, at 256, 1,024 and 2,000 rows: its
 blocks consecutive, in runs of 4 (a server whose free blocks have been handed round), and
 scattered at random. ``attend_spans`` now copies several ranges into one, in the sequence's
-order, and attends as over consecutive blocks; before, it summed range by range
+order, and attends as over consecutive blocks (below ``LONG_SPAN_ROWS``, 2,048: every size
+here); before, it summed range by range
 (``attend_one_query`` over the pieces), whose order of sums followed the placement (here
 over the ranges in the sequence's order; it sorted the blocks first, which merges only
 blocks that touch: about as many ranges for these tables).

@@ -4,9 +4,11 @@ The engine keeps keys and values in blocks ``[blocks, block_size, H_kv, D]`` and
 sequence's block table says which blocks are its. A decode step's query sees every row of its
 sequence: :func:`kv_spans` turns a table into ranges of the flattened buffer, in the
 sequence's order (one, when the blocks are consecutive), and :func:`attend_spans` attends to
-one range as a view, with no gathered copy, and copies several into one first: where the
-blocks lie must not change the arithmetic (a greedy token at a near-tie once changed after a
-server's free blocks had been handed round once).
+one range as a view, with no gathered copy. Below ``LONG_SPAN_ROWS`` it copies several
+ranges into one first, so that where the blocks lie does not change the arithmetic (a greedy
+token at a near-tie once changed after a server's free blocks had been handed round once);
+longer sequences read their ranges in place, sorted and merged where blocks touch (blocks
+handed out in descending order are then two views, not a copy of every row a token).
 
 :func:`paged_decode_attention` is the same as one op that ``torch.compile`` keeps whole
 (``hyla::paged_decode_attention``): a compiled decode step reads the cache in place too, and
@@ -69,6 +71,17 @@ def kv_spans(tables: list[list[int]], positions: list[int], block_size: int) -> 
     return tuple(out)
 
 
+def _merged(ranges) -> list[tuple[int, int]]:
+    """``ranges`` (first row, rows) sorted by place, those that touch made one."""
+    out: list[list[int]] = []
+    for first, rows in sorted(ranges):
+        if out and sum(out[-1]) == first:
+            out[-1][1] += rows
+        else:
+            out.append([first, rows])
+    return [(a, n) for a, n in out]
+
+
 def attend_spans(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  spans: Spans) -> torch.Tensor:
     """q [B, 1, H, D] attends, per sequence, to the rows ``spans`` name (:func:`kv_spans`)
@@ -80,16 +93,23 @@ def attend_spans(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     h_kv = keys.shape[-2]
     outs = []
     for b in range(B):
-        ks = [flat_k[first:first + rows] for first, rows in spans[b][2]]
-        vs = [flat_v[first:first + rows] for first, rows in spans[b][2]]
-        # several ranges: copied into one, in the sequence's order, so that the sums run
-        # as they would over one range (the same rows, wherever they lie, give the same
-        # output to the bit)
-        k, v = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks), torch.cat(vs))
-        qb = q[b, 0] if q.dtype is k.dtype else q[b, 0].to(k.dtype)
-        if k.shape[0] >= LONG_SPAN_ROWS:
-            outs.append(attend_one_query(qb, [k], [v]).view(h_kv, H // h_kv, -1))
+        ranges = spans[b][2]
+        qb = q[b, 0] if q.dtype is flat_k.dtype else q[b, 0].to(flat_k.dtype)
+        if sum(n for _, n in ranges) >= LONG_SPAN_ROWS:
+            # long: read where they lie, sorted and merged where blocks touch (a copy a token
+            # would cost more than the attention; the order of the sums then follows the
+            # placement, so a near-tie may part from a consecutive placement's)
+            pieces = _merged(ranges)
+            outs.append(attend_one_query(qb, [flat_k[a:a + n] for a, n in pieces],
+                                         [flat_v[a:a + n] for a, n in pieces])
+                        .view(h_kv, H // h_kv, -1))
             continue
+        # several ranges: copied into one, in the sequence's order, so that the sums run as
+        # they would over one range (the same rows, wherever they lie, give the same output
+        # to the bit; and faster than a sum a range)
+        ks = [flat_k[first:first + rows] for first, rows in ranges]
+        vs = [flat_v[first:first + rows] for first, rows in ranges]
+        k, v = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks), torch.cat(vs))
         # 4-D [1, Hkv, rows, D]: what the fused CPU kernel takes (3-D goes the slow way)
         outs.append(F.scaled_dot_product_attention(
             qb.reshape(1, h_kv, H // h_kv, D), k.transpose(0, 1)[None],
