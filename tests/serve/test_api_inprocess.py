@@ -157,3 +157,15 @@ def test_text_offsets_of_tokens_that_begin_a_character_after_other_text():
             for i in range(len(ids))]
     assert all(w is None or o == w for o, w in zip(offsets, want, strict=True)), offsets
     assert offsets == sorted(offsets) and offsets[-1] < len(text)
+
+
+def test_a_body_that_is_not_sent_as_json_says_so(client):
+    """A text/plain body got FastAPI's "valid dictionary" message (a hostile client's)."""
+    for headers in ({"Content-Type": "text/plain"}, {}):
+        r = client.post("/v1/completions", content=b'{"prompt": "a"}', headers=headers)
+        assert r.status_code == 400 and "Content-Type: application/json" in r.json()[
+            "error"]["message"], r.text
+    r = client.post("/v1/completions", json=[1, 2])      # JSON, but not an object
+    assert r.status_code == 400 and "Content-Type" not in r.json()["error"]["message"]
+    assert client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1}
+                       ).status_code == 200

@@ -70,9 +70,14 @@ class _ClientGone(Exception):
     pass
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
+def validation_error(exc: RequestValidationError, content_type: str = "") -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {}
+    if tuple(first.get("loc", ())) == ("body",) and "json" not in content_type.lower():
+        # FastAPI reads a body of another type as text: its error would be about a
+        # "valid dictionary" (found by a hostile client)
+        return APIError(f"the body must be JSON, sent as Content-Type: application/json "
+                        f"(got {content_type or 'no Content-Type'!r})")
     if first.get("type") == "json_invalid":
         return APIError("We could not parse the JSON body of your request: "
                         f"{first.get('ctx', {}).get('error', 'invalid JSON')}")
@@ -275,7 +280,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        err = validation_error(exc)
+        err = validation_error(exc, request.headers.get("content-type", ""))
         return JSONResponse(err.body(), 400)
 
     @app.exception_handler(StarletteHTTPException)

@@ -83,7 +83,8 @@ def create_router_app(router: LiveRouter, max_body_bytes: int = DEFAULT_MAX_BODY
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        return JSONResponse(validation_error(exc).body(), 400)
+        return JSONResponse(validation_error(
+            exc, request.headers.get("content-type", "")).body(), 400)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
